@@ -1,0 +1,112 @@
+"""Slot bookkeeping for running sequences over the general region: allocate, reuse cached
+prefixes from the radix tree, and give everything back.
+
+A sequence's KV state is a `SeqKV`: the slot of every token it has computed (or has been
+scheduled to compute), of which the first `num_tree` belong to the radix tree and are locked
+through `handle`; the rest are the sequence's own. The scheduler deals in these and in integers;
+it never sees tree nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .kv_pool import SlotAllocator
+from .radix import RadixCache, RadixHandle
+
+
+@dataclass(slots=True)
+class SeqKV:
+    slots: list[int] = field(default_factory=list)
+    num_tree: int = 0
+    handle: RadixHandle | None = None
+
+
+class KVCacheManager:
+    def __init__(self, allocator: SlotAllocator, enable_prefix_caching: bool) -> None:
+        self.allocator = allocator
+        self.radix = RadixCache(allocator) if enable_prefix_caching else None
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def num_available(self) -> int:
+        """Slots obtainable now: free ones plus those held only by unlocked cache entries."""
+        evictable = self.radix.evictable_size if self.radix else 0
+        return self.allocator.num_free + evictable
+
+    def match_prefix(self, seq: SeqKV, tokens: list[int]) -> int:
+        """Point an empty `seq` at the longest cached prefix of `tokens`; returns its length."""
+        assert not seq.slots and seq.handle is None, "match_prefix on a sequence that holds slots"
+        if self.radix is None or not tokens:
+            return 0
+        match = self.radix.match_prefix(tokens)
+        self.radix.lock(match.handle)
+        seq.slots = list(match.slots)
+        seq.num_tree = match.length
+        seq.handle = match.handle
+        return match.length
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` free slots, evicting unlocked prefix-cache leaves if needed; None if impossible."""
+        slots = self.allocator.alloc(n)
+        if slots is None and self.radix is not None:
+            self.radix.evict(n - self.allocator.num_free)
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def extend(self, seq: SeqKV, n: int) -> bool:
+        slots = self.allocate(n)
+        if slots is None:
+            return False
+        seq.slots.extend(slots)
+        return True
+
+    def cache(self, seq: SeqKV, tokens: list[int]) -> None:
+        """Hand the KV of `tokens` (the sequence's first len(tokens) tokens, all computed) to the
+        radix tree, keep the sequence's reference to it locked, and drop duplicate slots."""
+        if self.radix is None or len(tokens) <= seq.num_tree:
+            return
+        n = len(tokens)
+        already = self.radix.insert(tokens, seq.slots[:n])
+        # Between num_tree and `already` the tree had its own copy: ours are duplicates.
+        self.allocator.free(seq.slots[seq.num_tree:already])
+        match = self.radix.match_prefix(tokens, count=False)
+        assert match.length == n, "radix: freshly inserted tokens not found"
+        self.radix.lock(match.handle)
+        if seq.handle is not None:
+            self.radix.unlock(seq.handle)
+        seq.slots[:n] = match.slots
+        seq.num_tree = n
+        seq.handle = match.handle
+
+    def release(self, seq: SeqKV, computed_tokens: list[int] | None = None) -> None:
+        """Give back all of `seq`'s slots. With `computed_tokens` (its first tokens, whose KV is
+        valid) and prefix caching on, their KV stays in the tree for later requests."""
+        if computed_tokens:
+            self.cache(seq, computed_tokens)
+        self.allocator.free(seq.slots[seq.num_tree:])
+        if seq.handle is not None:
+            self.radix.unlock(seq.handle)
+        seq.slots = []
+        seq.num_tree = 0
+        seq.handle = None
+
+    def check_integrity(self, live: list[SeqKV] = ()) -> None:
+        """free + cached + held by live sequences == capacity, with no slot counted twice."""
+        self.allocator.check_integrity()
+        tree_slots = self.radix.all_slots() if self.radix else []
+        if self.radix:
+            self.radix.check_integrity()
+        own: list[int] = []
+        for seq in live:
+            own.extend(seq.slots[seq.num_tree:])
+        everything = self.allocator.free_slots() + tree_slots + own
+        if len(everything) != self.capacity or len(set(everything)) != self.capacity:
+            raise AssertionError(
+                f"kv cache: free {self.allocator.num_free} + cached {len(tree_slots)} + "
+                f"in use {len(own)} != capacity {self.capacity} (or a slot is held twice)"
+            )
+        if self.radix and not live and self.radix.protected_size:
+            raise AssertionError("kv cache: prefix entries still locked with nothing running")

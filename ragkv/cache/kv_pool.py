@@ -1,0 +1,80 @@
+"""KV memory and the allocators that hand out its token slots.
+
+The pool is one buffer `[2, layers, slots, kv_heads, head_dim]`: K is `kv[0]`, V is `kv[1]`, and
+each layer's `[slots, kv_heads, head_dim]` view is contiguous (layer-first), so one list of slot
+indices addresses the same token in every layer. Slots are token-granular (page size 1): any
+sequence's KV list may mix slots from any region.
+
+Slot 0 is reserved as a padding target for batched gathers and is never handed out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """The KV tensors. Holds no bookkeeping: allocators and indexes hold slot numbers only."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.kv = torch.empty(2, num_layers, num_slots, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+        self.k = self.kv[0]
+        self.v = self.kv[1]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class SlotAllocator:
+    """Free-list allocator over the slot range `[start, end)` of the pool.
+
+    `alloc` returns None (allocating nothing) when fewer than `n` slots are free, so callers can
+    evict or preempt and try again. Freed slots are reused first-in, last-out, which keeps a
+    sequence's slots mostly contiguous.
+    """
+
+    def __init__(self, start: int, end: int) -> None:
+        if not 0 < start <= end:
+            raise ValueError(f"invalid slot range [{start}, {end})")
+        self.start = start
+        self.end = end
+        # Stored descending so that pop() from the end hands out ascending slots.
+        self._free: list[int] = list(range(end - 1, start - 1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.end - self.start
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return []
+        taken = self._free[-n:]
+        del self._free[-n:]
+        taken.reverse()
+        return taken
+
+    def free(self, slots: list[int]) -> None:
+        if slots:
+            self._free.extend(reversed(slots))
+
+    def check_integrity(self) -> None:
+        free = self._free
+        if len(set(free)) != len(free):
+            raise AssertionError("slot allocator: a slot is free twice")
+        if free and (min(free) < self.start or max(free) >= self.end):
+            raise AssertionError("slot allocator: a free slot lies outside its region")
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)

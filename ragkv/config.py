@@ -1,0 +1,94 @@
+"""One frozen engine configuration, passed down whole.
+
+Everything the user chooses lives in `EngineConfig`; values that follow from it and from the
+checkpoint (the resolved device and dtype, the number of KV slots) are computed by functions
+here and returned, never patched into the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+# When neither kv_cache_tokens nor kv_cache_memory_bytes is given on CPU, the pool takes this
+# much memory. torch.empty does not touch the pages, so an unused pool costs little.
+DEFAULT_CPU_KV_BYTES = 2 << 30
+# Fraction of free accelerator memory (after the weights are loaded) given to the pool.
+DEFAULT_GPU_KV_FRACTION = 0.85
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """User-facing engine settings; names follow vLLM where vLLM has one."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    kv_cache_tokens: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("kv_cache_tokens", "kv_cache_memory_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_bytes")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={config.device!r} but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(config: EngineConfig, device: torch.device,
+                  checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+    """`auto` is float32 on CPU (fast and exact there) and the checkpoint's dtype elsewhere."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return checkpoint_dtype
+    return torch.bfloat16
+
+
+def parse_torch_dtype(name: object) -> torch.dtype | None:
+    """The dtype a checkpoint's config.json names (`torch_dtype` or `dtype`), if any."""
+    if isinstance(name, torch.dtype):
+        return name
+    if isinstance(name, str):
+        return _DTYPES.get(name.removeprefix("torch."))
+    return None

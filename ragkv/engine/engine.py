@@ -1,0 +1,309 @@
+"""The engine: one `step()` is schedule -> run the model -> sample -> update requests."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_manager import KVCacheManager
+from ..cache.kv_pool import KVPool, SlotAllocator
+from ..config import (
+    DEFAULT_CPU_KV_BYTES,
+    DEFAULT_GPU_KV_FRACTION,
+    EngineConfig,
+    parse_torch_dtype,
+    resolve_device,
+    resolve_dtype,
+)
+from ..model.attention import get_attention_backend
+from ..model.llama import CausalLM
+from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
+from ..model.runner import ModelRunner
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..prompt import parse_prompt
+from ..sampling import SamplingParams, sample
+from .request import Request, RequestStatus
+from .scheduler import SchedulerOutput, Scheduler
+
+logger = logging.getLogger("ragkv")
+
+# Default pool size cap: the free list is a Python list, and a pool far larger than the
+# workload only costs start-up time.
+_DEFAULT_MAX_KV_TOKENS = 262_144
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """Derived sizes of the KV pool."""
+
+    general_tokens: int
+    max_model_len: int
+
+    @property
+    def num_slots(self) -> int:
+        return 1 + self.general_tokens  # slot 0 is the padding slot
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_capacity_tokens: int
+    kv_free_tokens: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.kv_free_tokens / self.kv_capacity_tokens
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        checkpoint = inspect_checkpoint(config.model)
+        self.checkpoint = checkpoint
+        self.model_config = mc = checkpoint.model_config
+        self.device = resolve_device(config)
+        self.dtype = resolve_dtype(config, self.device, parse_torch_dtype(checkpoint.torch_dtype))
+        self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
+        max_len = _max_model_len(config, mc)
+        self.model = CausalLM(mc, max_len, self.dtype, self.device)
+        load_weights(self.model, checkpoint.weight_files)
+        self.model.eval()
+        self.layout = _cache_layout(config, mc, self.dtype, self.device, max_len)
+        self.max_model_len = self.layout.max_model_len
+        self.pool = KVPool(mc.num_layers, self.layout.num_slots, mc.num_kv_heads, mc.head_dim,
+                           self.dtype, self.device)
+        allocator = SlotAllocator(1, self.layout.num_slots)
+        self.kv = KVCacheManager(allocator, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.pool, get_attention_backend("torch"),
+                                  self.device)
+        self.eos_token_ids = frozenset(self._eos_ids())
+        self._rng = random.Random(config.seed)
+        self._parents: dict[str, list[Request]] = {}
+        self._counter = 0
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.checkpoint.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def add_request(self, prompt: object, params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Validate and queue a request; raises ValueError (queuing nothing) on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
+        self._validate(len(parsed.token_ids), params)
+        if request_id is None:
+            request_id = str(self._counter)
+            self._counter += 1
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        max_tokens = self.max_model_len - len(parsed.token_ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        children = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(
+                request_id=child_id, parent_id=request_id, index=i, prompt=parsed.text,
+                prompt_token_ids=parsed.token_ids, params=params, generator=generator,
+                max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
+                metrics=RequestMetrics(arrival_time=arrival),
+            ))
+        self._parents[request_id] = children
+        for child in children:
+            self.scheduler.add(child)
+        return request_id
+
+    def _validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {num_prompt_tokens} tokens, longer than max_model_len="
+                f"{self.max_model_len}"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}"
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns an output for every request that progressed."""
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        logits = self.runner.execute(sched.works)
+        self.scheduler.update(sched)
+        return self._postprocess(sched, logits)
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        sampled = [w.request for w in sched.works if w.sample]
+        touched: dict[str, None] = {}
+        if sampled:
+            result = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+            now = time.monotonic()
+            for j, req in enumerate(sampled):
+                self._append_token(req, result.token_ids[j], result.token_logprobs[j],
+                                   result.top_logprobs[j], now)
+                touched[req.parent_id] = None
+        return [self._output(pid) for pid in touched]
+
+    def _append_token(self, req: Request, token: int, logprob: float | None,
+                      top: tuple[list[int], list[float], int] | None, now: float) -> None:
+        req.token_ids.append(token)
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.logprobs is not None:
+            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in
+                     enumerate(zip(top[0], top[1]))}
+            entry.setdefault(token, Logprob(logprob, rank=top[2]))
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+            req.logprobs.append(entry)
+            req.cumulative_logprob += logprob
+        status = None
+        if token in req.stop_ids:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token if token in req.params.stop_token_ids else None
+        elif req.params.stop and self._hit_stop_string(req):
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status)
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self._detokenize(req, req.output_token_ids)
+        earliest = None
+        for stop in req.params.stop:
+            idx = text.find(stop)
+            if idx >= 0 and (earliest is None or idx < earliest[0]):
+                earliest = (idx, stop)
+        if earliest is None:
+            return False
+        req.text = text[:earliest[0]]
+        req.stop_reason = earliest[1]
+        return True
+
+    def _detokenize(self, req: Request, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids,
+                                     skip_special_tokens=req.params.skip_special_tokens)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if not isinstance(req.stop_reason, str):  # a stop string already cut the text
+            ids = req.output_token_ids
+            if status is RequestStatus.FINISHED_STOPPED and ids and ids[-1] in req.stop_ids:
+                ids = ids[:-1]  # the stop token's text is not part of the output (vLLM)
+            req.text = self._detokenize(req, ids)
+        req.metrics.finished_time = time.monotonic()
+        self.scheduler.finish(req, status)
+
+    def abort_request(self, request_id: str) -> None:
+        for req in self._parents.pop(request_id, []):
+            if not req.status.finished:
+                req.metrics.finished_time = time.monotonic()
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def _output(self, parent_id: str) -> RequestOutput:
+        children = self._parents[parent_id]
+        finished = all(c.status.finished for c in children)
+        if finished:
+            del self._parents[parent_id]
+        first = children[0]
+        completions = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text if c.status.finished else self._detokenize(c, c.output_token_ids),
+                token_ids=list(c.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob,
+                logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in children
+        ]
+        return RequestOutput(
+            request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            metrics=first.metrics,
+        )
+
+    def stats(self) -> EngineStats:
+        radix = self.kv.radix
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_capacity_tokens=self.kv.capacity,
+            kv_free_tokens=self.kv.allocator.num_free,
+            prefix_queried_tokens=radix.queried_tokens if radix else 0,
+            prefix_hit_tokens=radix.hit_tokens if radix else 0,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        if self.kv.radix is not None:
+            self.kv.radix.reset()
+
+    def check_integrity(self) -> None:
+        """Every slot is free, cached or held by a live request, exactly once."""
+        self.kv.check_integrity(self.scheduler.live_kv())
+
+
+def _max_model_len(config: EngineConfig, mc) -> int:
+    limit = mc.max_position_embeddings
+    if mc.sliding_window is not None and mc.sliding_window < limit:
+        # Full attention equals sliding-window attention only within the window.
+        logger.warning("model uses a sliding window of %d tokens: max_model_len is capped there",
+                       mc.sliding_window)
+        limit = mc.sliding_window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    return config.max_model_len
+
+
+def _cache_layout(config: EngineConfig, mc, dtype: torch.dtype, device: torch.device,
+                  max_len: int) -> CacheLayout:
+    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    if config.kv_cache_tokens is not None:
+        tokens = config.kv_cache_tokens
+    elif config.kv_cache_memory_bytes is not None:
+        tokens = config.kv_cache_memory_bytes // per_token
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * DEFAULT_GPU_KV_FRACTION) // per_token
+    else:
+        tokens = min(DEFAULT_CPU_KV_BYTES // per_token, _DEFAULT_MAX_KV_TOKENS)
+    if tokens < 1:
+        raise ValueError("the KV cache budget holds no token at all")
+    if tokens < max_len:
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"the KV cache holds {tokens} tokens, fewer than max_model_len={max_len}: "
+                "raise kv_cache_tokens or lower max_model_len"
+            )
+        max_len = tokens
+    return CacheLayout(general_tokens=tokens, max_model_len=max_len)

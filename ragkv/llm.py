@@ -1,0 +1,80 @@
+"""`LLM`: the offline API, named and shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .engine.engine import Engine
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+
+class LLM:
+    """Load a model and generate for batches of prompts.
+
+    `model` is a local HF directory or a built-in model name (`builtin:tiny`, `builtin:small`).
+    Other keyword arguments are `EngineConfig` fields.
+    """
+
+    def __init__(self, model: str, **kwargs) -> None:
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise TypeError(f"LLM() got unexpected arguments: {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = Engine(self.config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list; outputs come back in the prompts' order.
+
+        A prompt is a str or a `{"prompt_token_ids": [...]}` dict. All prompts are validated
+        before any is queued, so a bad one raises ValueError and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} sampling_params for "
+                                 f"{len(prompts)} prompts")
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(prompt, params))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in ids]
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()

@@ -1,0 +1,144 @@
+"""The attention contract and its backends.
+
+Every attention call is the paged "extend" form. For each sequence in the batch:
+- its `q` query tokens are consecutive in the flattened token tensor,
+- it has a KV index list of length `k >= q` (slots of the KV pool) whose last `q` entries are
+  the slots its own new tokens are written to,
+- query `t` attends to entries `0 .. k-q+t` of its list (bottom-right causal).
+
+Nothing else: chunk isolation, shared system prompts and decode are all just which slots are
+in the list. Positions feed RoPE only and travel separately. A backend writes the step's new
+K/V into the pool and computes attention; GPU kernels implement the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..cache.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention inputs, built by the runner and handed to the model for that step."""
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    q_starts: list[int]
+    kv_starts: list[int]
+    kv_indices: torch.Tensor  # all sequences' KV lists, concatenated (long)
+    write_slots: torch.Tensor  # [T] slot of each new token
+    # True where a sequence's KV list is exactly its own new tokens (a fresh prefill): the
+    # backend may then attend over the new K/V directly instead of gathering from the pool.
+    self_only: list[bool]
+    # For dynamic RoPE: each sequence's length after this step.
+    seq_lens: list[int]
+    backend_state: object = field(default=None)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Derive backend-specific tensors once per step (stored in meta.backend_state)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, heads, d], k/v: [T, kv_heads, d] -> [T, heads, d]. Writes k/v to the pool."""
+
+
+@dataclass(slots=True)
+class _TorchState:
+    # Sequences with one query token (decode) are attended in one padded call.
+    decode_rows: torch.Tensor | None = None  # their token rows in the flattened batch
+    decode_index: torch.Tensor | None = None  # [B, max_k] slots, padded with slot 0
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_k] True where attended
+    extend_seqs: list[int] = field(default_factory=list)
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+class TorchAttentionBackend:
+    """Gather by slot index + torch SDPA. Works on any device; the CPU reference backend."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        state = _TorchState()
+        decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
+        state.extend_seqs = [i for i, q in enumerate(meta.q_lens) if q != 1]
+        device = meta.kv_indices.device
+        if decode:
+            max_k = max(meta.kv_lens[i] for i in decode)
+            index = torch.zeros(len(decode), max_k, dtype=torch.long, device=device)
+            mask = torch.zeros(len(decode), max_k, dtype=torch.bool, device=device)
+            for row, i in enumerate(decode):
+                k, start = meta.kv_lens[i], meta.kv_starts[i]
+                index[row, :k] = meta.kv_indices[start:start + k]
+                mask[row, :k] = True
+            state.decode_rows = torch.tensor([meta.q_starts[i] for i in decode], device=device)
+            state.decode_index = index
+            state.decode_mask = None if bool(mask.all()) else mask[:, None, None, :]
+        for i in state.extend_seqs:
+            q, k = meta.q_lens[i], meta.kv_lens[i]
+            if q != k and (q, k) not in state.masks:
+                # Bottom-right causal: query t sees entries 0 .. k-q+t.
+                rows = torch.arange(q, device=device)[:, None] + (k - q)
+                state.masks[(q, k)] = torch.arange(k, device=device)[None, :] <= rows
+        meta.backend_state = state
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = pool.k[layer], pool.v[layer]
+        k_cache.index_copy_(0, meta.write_slots, k)
+        v_cache.index_copy_(0, meta.write_slots, v)
+        state: _TorchState = meta.backend_state
+        gqa = q.shape[1] != k.shape[1]
+        out = torch.empty_like(q)
+        for i in state.extend_seqs:
+            qs, ql, kl = meta.q_starts[i], meta.q_lens[i], meta.kv_lens[i]
+            if meta.self_only[i]:
+                ks, vs = k[qs:qs + ql], v[qs:qs + ql]
+            else:
+                idx = meta.kv_indices[meta.kv_starts[i]:meta.kv_starts[i] + kl]
+                ks, vs = k_cache[idx], v_cache[idx]
+            o = F.scaled_dot_product_attention(
+                q[qs:qs + ql].transpose(0, 1).unsqueeze(0),
+                ks.transpose(0, 1).unsqueeze(0),
+                vs.transpose(0, 1).unsqueeze(0),
+                attn_mask=state.masks.get((ql, kl)),
+                is_causal=ql == kl,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[qs:qs + ql] = o[0].transpose(0, 1)
+        if state.decode_rows is not None:
+            rows = state.decode_rows
+            ks = k_cache[state.decode_index].transpose(1, 2)  # [B, kv_heads, max_k, d]
+            vs = v_cache[state.decode_index].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[rows].unsqueeze(2), ks, vs, attn_mask=state.decode_mask, scale=scale,
+                enable_gqa=gqa,
+            )
+            out[rows] = o[:, :, 0]
+        return out
+
+
+_BACKENDS = {"torch": TorchAttentionBackend}
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """Backends are looked up by name; optional GPU kernels register here with lazy imports."""
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(_BACKENDS)}"
+        ) from None

@@ -1,0 +1,196 @@
+"""Building blocks shared by the supported model families: RMSNorm, rotary embeddings, MLP.
+
+Numerics follow HF transformers (norms in float32, RoPE tables computed in float32 and cast
+to the model dtype) so that float32 outputs match it to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised frozen parameter: weights always come from the checkpoint."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = empty_param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, act: str,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
+        self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
+        self.act = _ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+SUPPORTED_ACTIVATIONS = tuple(_ACTIVATIONS)
+
+
+def rope_inv_freq(head_dim: int, rope: dict, max_position_embeddings: int,
+                  seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] and the cos/sin scale for one RoPE variant.
+
+    `rope` is the checkpoint's RoPE dict (`rope_type`, `rope_theta`, `factor`, ...).
+    `seq_len` only matters for `dynamic`, whose frequencies depend on the sequence length.
+    """
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    base = float(rope.get("rope_theta", 10000.0))
+    dim = head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    if rope_type == "default":
+        return inv_freq, 1.0
+    factor = rope.get("factor")
+    if rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if rope_type == "dynamic":
+        length = max(seq_len or max_position_embeddings, max_position_embeddings)
+        scaled = base * ((factor * length / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled ** exponents), 1.0
+    original = rope.get("original_max_position_embeddings", max_position_embeddings)
+    if rope_type == "llama3":
+        low_freq_factor = rope["low_freq_factor"]
+        high_freq_factor = rope["high_freq_factor"]
+        low_freq_wavelen = original / low_freq_factor
+        high_freq_wavelen = original / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(dim, base, rope, original, max_position_embeddings)
+    raise ValueError(
+        f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _yarn_inv_freq(dim: int, base: float, rope: dict, original: int,
+                   max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    factor = rope.get("factor") or max_position_embeddings / original
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = rope.get("beta_fast") or 32
+    beta_slow = rope.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_factor = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_extrapolation = 1.0 / pos_freqs
+    inv_interpolation = 1.0 / (factor * pos_freqs)
+    inv_freq = (inv_interpolation * (1 - extrapolation_factor)
+                + inv_extrapolation * extrapolation_factor)
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by position. Static variants use a cos/sin table built once; `dynamic`
+    recomputes frequencies per sequence from that sequence's length (as HF does per forward)."""
+
+    def __init__(self, head_dim: int, rope: dict, max_position_embeddings: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = dict(rope)
+        self.max_position_embeddings = max_position_embeddings
+        self.dtype = dtype
+        self.dynamic = self.rope.get("rope_type", "default") == "dynamic"
+        inv_freq, scale = rope_inv_freq(head_dim, self.rope, max_position_embeddings)
+        cos, sin = _cos_sin(torch.arange(max_len, dtype=torch.float32), inv_freq, scale)
+        self.register_buffer("cos_table", cos.to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin_table", sin.to(device=device, dtype=dtype), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, seq_lens: list[int] | None = None,
+                q_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] for the flattened tokens. For `dynamic`, `seq_lens[i]` is the
+        length sequence i has reached this step and `q_lens[i]` how many of the tokens are its."""
+        if not self.dynamic or seq_lens is None or all(
+                s <= self.max_position_embeddings for s in seq_lens):
+            return self.cos_table[positions], self.sin_table[positions]
+        parts_cos, parts_sin = [], []
+        start = 0
+        for seq_len, n in zip(seq_lens, q_lens):
+            inv_freq, scale = rope_inv_freq(self.head_dim, self.rope,
+                                            self.max_position_embeddings, seq_len)
+            cos, sin = _cos_sin(positions[start:start + n].float().cpu(), inv_freq, scale)
+            parts_cos.append(cos)
+            parts_sin.append(sin)
+            start += n
+        device = positions.device
+        return (torch.cat(parts_cos).to(device, self.dtype),
+                torch.cat(parts_sin).to(device, self.dtype))
+
+
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

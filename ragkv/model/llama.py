@@ -1,0 +1,129 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flattened, unpadded tokens.
+
+The families differ only in switches of `ModelConfig`: bias on q/k/v (Qwen2) or on all
+projections (Llama's attention_bias), RMSNorm on q and k per head (Qwen3), an explicit head
+dimension, tied embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..cache.kv_pool import KVPool
+from .attention import AttentionBackend, AttentionMetadata
+from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
+from .model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads = mc.num_heads
+        self.num_kv_heads = mc.num_kv_heads
+        self.head_dim = mc.head_dim
+        self.q_size = mc.num_heads * mc.head_dim
+        self.kv_size = mc.num_kv_heads * mc.head_dim
+        self.scale = mc.head_dim ** -0.5
+        self.qkv_proj = Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, mc.qkv_bias,
+                               dtype, device)
+        self.o_proj = Linear(self.q_size, mc.hidden_size, mc.o_bias, dtype, device)
+        if mc.qk_norm:
+            self.q_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
+                pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, layer, pool, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = Attention(mc, dtype, device)
+        self.mlp = GatedMLP(mc.hidden_size, mc.intermediate_size, mc.mlp_bias, mc.hidden_act,
+                            dtype, device)
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """The whole model. `forward` computes hidden states for every token but runs the final
+    norm and LM head only on the rows in `logits_indices` (the last token of each sequence that
+    samples this step)."""
+
+    def __init__(self, mc: ModelConfig, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.config = mc
+        self.embed_tokens = nn.Parameter(
+            torch.empty(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.layers = nn.ModuleList(DecoderLayer(mc, dtype, device)
+                                    for _ in range(mc.num_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        self.lm_head = (None if mc.tie_word_embeddings
+                        else empty_param(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device))
+        self.rotary = RotaryEmbedding(mc.head_dim, mc.rope, mc.max_position_embeddings, max_len,
+                                      dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
+        h = self.embed_tokens[input_ids]
+        for i, layer in enumerate(self.layers):
+            residual = h
+            h = layer.self_attn(layer.input_layernorm(h), cos, sin, i, pool, meta, backend)
+            h = residual + h
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h[logits_indices])
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return torch.nn.functional.linear(h, head).float()
+
+    def weight_targets(self) -> Iterator[tuple[str, torch.Tensor, int, int]]:
+        """(HF checkpoint name, destination parameter, row offset, rows) for every weight."""
+        mc = self.config
+        yield "model.embed_tokens.weight", self.embed_tokens, 0, mc.vocab_size
+        yield "model.norm.weight", self.norm.weight, 0, mc.hidden_size
+        if self.lm_head is not None:
+            yield "lm_head.weight", self.lm_head, 0, mc.vocab_size
+        q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+        inter = mc.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            for suffix in ("weight", "bias") if mc.qkv_bias else ("weight",):
+                dest = getattr(attn.qkv_proj, suffix)
+                yield p + f"self_attn.q_proj.{suffix}", dest, 0, q
+                yield p + f"self_attn.k_proj.{suffix}", dest, q, kv
+                yield p + f"self_attn.v_proj.{suffix}", dest, q + kv, kv
+            yield p + "self_attn.o_proj.weight", attn.o_proj.weight, 0, mc.hidden_size
+            if mc.o_bias:
+                yield p + "self_attn.o_proj.bias", attn.o_proj.bias, 0, mc.hidden_size
+            if mc.qk_norm:
+                yield p + "self_attn.q_norm.weight", attn.q_norm.weight, 0, mc.head_dim
+                yield p + "self_attn.k_norm.weight", attn.k_norm.weight, 0, mc.head_dim
+            for suffix in ("weight", "bias") if mc.mlp_bias else ("weight",):
+                yield p + f"mlp.gate_proj.{suffix}", getattr(layer.mlp.gate_up_proj, suffix), 0, inter
+                yield p + f"mlp.up_proj.{suffix}", getattr(layer.mlp.gate_up_proj, suffix), inter, inter
+                yield p + f"mlp.down_proj.{suffix}", getattr(layer.mlp.down_proj, suffix), 0, mc.hidden_size
+            yield p + "input_layernorm.weight", layer.input_layernorm.weight, 0, mc.hidden_size
+            yield (p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight,
+                   0, mc.hidden_size)

@@ -1,0 +1,70 @@
+"""Result objects returned to users, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    """One entry of a per-token logprobs dict (token id -> Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps in seconds (time.monotonic) and cache accounting for one request."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    time_in_queue: float | None = None
+    num_prefix_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first sampled token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = field(default=None)
