@@ -49,7 +49,7 @@ class LLM:
         engine = self.engine
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params in zip(prompts, params_list, strict=False):
                 ids.append(engine.add_request(prompt, params))
         except Exception:
             for rid in ids:

@@ -28,42 +28,32 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
-            raise ValueError(f"n must be an integer of at least 1, got {self.n!r}")
+        _check_int("n", self.n, minimum=1)
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or at least 1, got {self.top_k!r}")
+        _check_int("top_k", self.top_k, minimum=-1, hint="0 or -1 (disabled) or at least 1")
         if self.top_k == -1:
             self.top_k = 0
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
-            or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
-        ):
-            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        _check_int("seed", self.seed, optional=True)
+        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
+        _check_int("logprobs", self.logprobs, minimum=0, optional=True)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s
+                                                      for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                   for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}"
-            )
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids entry", token, minimum=0)
 
     @property
     def is_greedy(self) -> bool:
@@ -77,6 +67,16 @@ class SamplingParams:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, minimum: int | None = None, optional: bool = False,
+               hint: str | None = None) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or (
+            minimum is not None and value < minimum):
+        what = hint or ("an integer" if minimum is None else f"an integer >= {minimum}")
+        raise ValueError(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(slots=True)
@@ -118,7 +118,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         picked_logp = logp.gather(1, picked[:, None])[:, 0]
         ranks = (logp > picked_logp[:, None]).sum(dim=-1) + 1
         k_max = max(params[i].logprobs for i in want)
-        top_vals, top_ids = (logp.topk(k_max, dim=-1) if k_max > 0 else (logp[:, :0], picked[:, None][:, :0]))
+        top_vals, top_ids = logp.topk(k_max, dim=-1)
         picked_logp_l, ranks_l = picked_logp.tolist(), ranks.tolist()
         top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
         for j, i in enumerate(want):

@@ -27,7 +27,7 @@ from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..prompt import parse_prompt
 from ..sampling import SamplingParams, sample
 from .request import Request, RequestStatus
-from .scheduler import SchedulerOutput, Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("ragkv")
 
@@ -176,7 +176,7 @@ class Engine:
         req.metrics.last_token_time = now
         if req.logprobs is not None:
             entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in
-                     enumerate(zip(top[0], top[1]))}
+                     enumerate(zip(top[0], top[1], strict=False))}
             entry.setdefault(token, Logprob(logprob, rank=top[2]))
             for tid, lp in entry.items():
                 lp.decoded_token = self.tokenizer.decode([tid])
@@ -270,7 +270,7 @@ class Engine:
 
 
 def _max_model_len(config: EngineConfig, mc) -> int:
-    limit = mc.max_position_embeddings
+    limit = mc.max_context_len
     if mc.sliding_window is not None and mc.sliding_window < limit:
         # Full attention equals sliding-window attention only within the window.
         logger.warning("model uses a sliding window of %d tokens: max_model_len is capped there",

@@ -93,11 +93,12 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.monotonic()
-                req.metrics.time_in_queue = req.metrics.first_scheduled_time - req.metrics.arrival_time
+            metrics = req.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = time.monotonic()
+                metrics.time_in_queue = metrics.first_scheduled_time - metrics.arrival_time
                 req.num_cached_tokens = req.num_computed_tokens
-                req.metrics.num_prefix_cached_tokens = req.num_computed_tokens
+                metrics.num_prefix_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             scheduled.add(id(req))

@@ -87,7 +87,8 @@ def rope_inv_freq(head_dim: int, rope: dict, max_position_embeddings: int,
         return inv_freq / factor, 1.0
     if rope_type == "dynamic":
         length = max(seq_len or max_position_embeddings, max_position_embeddings)
-        scaled = base * ((factor * length / max_position_embeddings) - (factor - 1)) ** (dim / (dim - 2))
+        stretch = factor * length / max_position_embeddings - (factor - 1)
+        scaled = base * stretch ** (dim / (dim - 2))
         return 1.0 / (scaled ** exponents), 1.0
     original = rope.get("original_max_position_embeddings", max_position_embeddings)
     if rope_type == "llama3":
@@ -170,7 +171,7 @@ class RotaryEmbedding(nn.Module):
             return self.cos_table[positions], self.sin_table[positions]
         parts_cos, parts_sin = [], []
         start = 0
-        for seq_len, n in zip(seq_lens, q_lens):
+        for seq_len, n in zip(seq_lens, q_lens, strict=False):
             inv_freq, scale = rope_inv_freq(self.head_dim, self.rope,
                                             self.max_position_embeddings, seq_len)
             cos, sin = _cos_sin(positions[start:start + n].float().cpu(), inv_freq, scale)

@@ -120,10 +120,13 @@ class CausalLM(nn.Module):
             if mc.qk_norm:
                 yield p + "self_attn.q_norm.weight", attn.q_norm.weight, 0, mc.head_dim
                 yield p + "self_attn.k_norm.weight", attn.k_norm.weight, 0, mc.head_dim
+            mlp = layer.mlp
             for suffix in ("weight", "bias") if mc.mlp_bias else ("weight",):
-                yield p + f"mlp.gate_proj.{suffix}", getattr(layer.mlp.gate_up_proj, suffix), 0, inter
-                yield p + f"mlp.up_proj.{suffix}", getattr(layer.mlp.gate_up_proj, suffix), inter, inter
-                yield p + f"mlp.down_proj.{suffix}", getattr(layer.mlp.down_proj, suffix), 0, mc.hidden_size
+                gate_up = getattr(mlp.gate_up_proj, suffix)
+                yield p + f"mlp.gate_proj.{suffix}", gate_up, 0, inter
+                yield p + f"mlp.up_proj.{suffix}", gate_up, inter, inter
+                down = getattr(mlp.down_proj, suffix)
+                yield p + f"mlp.down_proj.{suffix}", down, 0, mc.hidden_size
             yield p + "input_layernorm.weight", layer.input_layernorm.weight, 0, mc.hidden_size
             yield (p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight,
                    0, mc.hidden_size)

@@ -37,6 +37,19 @@ class ModelConfig:
     # Smallest sliding window any layer uses (None: full attention everywhere).
     sliding_window: int | None = None
 
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence the checkpoint is meant for. Linear and dynamic scaling stretch
+        max_position_embeddings by their factor; YaRN stretches the original length."""
+        rope_type = self.rope["rope_type"]
+        factor = self.rope.get("factor") or 1.0
+        if rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * factor)
+        if rope_type == "yarn":
+            original = self.rope.get("original_max_position_embeddings")
+            return max(self.max_position_embeddings, int(original * factor))
+        return self.max_position_embeddings
+
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
         archs = list(getattr(hf_config, "architectures", None) or [])

@@ -1,0 +1,99 @@
+"""Tiny random-weight checkpoints of every supported family, written with save_pretrained and
+loaded by ragkv through its real loader; HF transformers loads the same directory as the
+reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB = 4096
+_BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512,
+             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "llama_linear_bias": ("LlamaConfig", {
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+        "attention_bias": True, "mlp_bias": True}),
+    "llama3": ("LlamaConfig", {
+        "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                            "rope_theta": 500000.0}}),
+    "yarn": ("LlamaConfig", {
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                            "original_max_position_embeddings": 128, "rope_theta": 10000.0}}),
+    "dynamic": ("LlamaConfig", {
+        "max_position_embeddings": 64,
+        "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
+MAIN_FAMILIES = ["llama", "llama_linear_bias", "llama3", "yarn", "mistral", "qwen2", "qwen3"]
+
+
+def write_checkpoint(path: str, family: str, seed: int = 0) -> str:
+    import transformers
+
+    from ragkv.model.builtin import save_builtin_tokenizer
+
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**_BASE, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # Spread the weights (and make biases and norm scales non-trivial) so that the next-token
+    # distribution is peaked enough for greedy decoding to be a sharp test.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.08 * noise)
+    model.save_pretrained(path)
+    save_builtin_tokenizer(path)
+    return path
+
+
+@functools.cache
+def _checkpoint(root: str, family: str) -> str:
+    path = os.path.join(root, family)
+    if not os.path.isdir(path):
+        write_checkpoint(path, family)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("ckpts"))
+
+
+@pytest.fixture(scope="session")
+def checkpoint(ckpt_root):
+    """checkpoint(family) -> path of that family's tiny checkpoint (written once)."""
+    return lambda family: _checkpoint(ckpt_root, family)
+
+
+@functools.cache
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    return _hf_model
+
+
+def random_prompt(n: int, seed: int, low: int = 10) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, VOCAB, (n,), generator=gen).tolist()
