@@ -59,6 +59,7 @@ class AttentionBackend(Protocol):
 class _TorchState:
     # Sequences with one query token (decode) are attended in one padded call.
     decode_rows: torch.Tensor | None = None  # their token rows in the flattened batch
+    all_decode: bool = False  # every row is a decode row, in order: no row gather needed
     decode_index: torch.Tensor | None = None  # [B, max_k] slots, padded with slot 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_k] True where attended
     extend_seqs: list[int] = field(default_factory=list)
@@ -84,6 +85,7 @@ class TorchAttentionBackend:
                 index[row, :k] = meta.kv_indices[start:start + k]
                 mask[row, :k] = True
             state.decode_rows = torch.tensor([meta.q_starts[i] for i in decode], device=device)
+            state.all_decode = len(decode) == meta.num_seqs
             state.decode_index = index
             state.decode_mask = None if bool(mask.all()) else mask[:, None, None, :]
         for i in state.extend_seqs:
@@ -120,14 +122,19 @@ class TorchAttentionBackend:
             )
             out[qs:qs + ql] = o[0].transpose(0, 1)
         if state.decode_rows is not None:
-            rows = state.decode_rows
-            ks = k_cache[state.decode_index].transpose(1, 2)  # [B, kv_heads, max_k, d]
-            vs = v_cache[state.decode_index].transpose(1, 2)
+            index = state.decode_index
+            flat = index.view(-1)
+            shape = (*index.shape, *k_cache.shape[1:])
+            ks = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kvh, k, d]
+            vs = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
+            qd = q if state.all_decode else q[state.decode_rows]
             o = F.scaled_dot_product_attention(
-                q[rows].unsqueeze(2), ks, vs, attn_mask=state.decode_mask, scale=scale,
+                qd.unsqueeze(2), ks, vs, attn_mask=state.decode_mask, scale=scale,
                 enable_gqa=gqa,
-            )
-            out[rows] = o[:, :, 0]
+            )[:, :, 0]
+            if state.all_decode:
+                return o
+            out[state.decode_rows] = o
         return out
 
 

@@ -191,7 +191,11 @@ def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim] (two equal halves).
+
+    Works on the two halves separately: the same products and sums as HF's
+    `x * cos + rotate_half(x) * sin`, so bit-identical, without materialising rotate_half."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :half], sin[:, None, :half]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,111 @@
+"""Engine speed against HF transformers on the same weights, measured side by side in one run.
+
+- prefill: time to first token of a long prompt (default 2,000 tokens), ragkv's whole
+  `generate` call against one HF forward (sdpa attention) over the same tokens;
+- decode: tokens/s at batch 1 and 8, from T(N) - T(1) (the time of N generated tokens minus
+  the time of one), for ragkv's `generate` and HF `generate` with its KV cache alike.
+
+Runs are interleaved and the median is reported, so machine noise hits both sides.
+
+    python benchmarks/bench_engine.py --model builtin:small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin:small")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--decode-prompt-tokens", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from ragkv import LLM, SamplingParams
+    from ragkv.model.loader import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    llm = LLM(args.model, enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, args.prompt_tokens))
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                              attn_implementation="sdpa").eval()
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(10, vocab, (n,), generator=gen).tolist()
+
+    results: dict[str, float] = {"threads": torch.get_num_threads()}
+
+    long_prompt = prompt(args.prompt_tokens)
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def ragkv_prefill():
+        llm.generate({"prompt_token_ids": long_prompt}, one, use_tqdm=False)
+
+    def hf_prefill():
+        with torch.inference_mode():
+            hf(torch.tensor([long_prompt]), logits_to_keep=1)
+
+    ragkv_prefill(), hf_prefill()  # warm-up
+    r_times, h_times = [], []
+    for _ in range(args.repeats):
+        r_times.append(_timed(ragkv_prefill))
+        h_times.append(_timed(hf_prefill))
+    r, h = statistics.median(r_times), statistics.median(h_times)
+    results.update(prefill_ragkv_s=r, prefill_hf_s=h, prefill_ratio=r / h)
+    print(f"prefill {args.prompt_tokens} tokens: ragkv {r * 1000:.0f} ms, HF sdpa "
+          f"{h * 1000:.0f} ms, ratio ragkv/HF = {r / h:.3f} (target <= 1.1)")
+
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        prompts = [prompt(args.decode_prompt_tokens) for _ in range(batch)]
+        ids = torch.tensor(prompts)
+
+        def ragkv_run(n: int, prompts=prompts):
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+        def hf_run(n: int, ids=ids):
+            with torch.inference_mode():
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        n = args.decode_tokens
+        ragkv_run(4), hf_run(4)  # warm-up
+        r_rates, h_rates = [], []
+        for _ in range(max(1, args.repeats // 2)):
+            r_rates.append(batch * (n - 1) / (_timed(lambda: ragkv_run(n))
+                                              - _timed(lambda: ragkv_run(1))))
+            h_rates.append(batch * (n - 1) / (_timed(lambda: hf_run(n))
+                                              - _timed(lambda: hf_run(1))))
+        r, h = statistics.median(r_rates), statistics.median(h_rates)
+        results.update({f"decode_bs{batch}_ragkv_tok_s": r, f"decode_bs{batch}_hf_tok_s": h,
+                        f"decode_bs{batch}_ratio": r / h})
+        print(f"decode batch {batch}: ragkv {r:.1f} tok/s, HF generate {h:.1f} tok/s, "
+              f"ratio ragkv/HF = {r / h:.2f} (target >= 1.0)")
+    llm.check_integrity()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Command line: `ragkv generate` (more subcommands join as they are built)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    """Engine flags, named as in vLLM, shared by every subcommand that loads a model."""
+    if model_flag:
+        parser.add_argument("--model", default="builtin:small",
+                            help="local HF directory, or builtin:tiny / builtin:small")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16, "
+                             "float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=True)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = set(EngineConfig.field_names()) - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .sampling import SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for out in outputs:
+        completion = out.outputs[0]
+        if args.json:
+            print(json.dumps({
+                "prompt": out.prompt, "text": completion.text,
+                "token_ids": completion.token_ids, "finish_reason": completion.finish_reason,
+                "num_prompt_tokens": len(out.prompt_token_ids),
+                "num_cached_tokens": out.num_cached_tokens, "ttft_s": out.metrics.ttft,
+            }))
+        else:
+            print(f"prompt: {out.prompt!r}")
+            print(f"output: {completion.text!r}")
+            print(f"        ({len(completion.token_ids)} tokens, finish_reason="
+                  f"{completion.finish_reason}, ttft {out.metrics.ttft * 1000:.1f} ms)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ragkv", description="RAG-native LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts offline")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True,
+                     help="a prompt (repeat the flag for a batch)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"ragkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
