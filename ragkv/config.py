@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from .cache.chunk_cache import SUPPORTED_HASHES
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -42,13 +44,22 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    # Chunk cache (DESIGN §1-§3): chunk-isolated RAG prompts with reusable chunk KV.
+    enable_chunk_cache: bool = True
+    chunk_separator: str | None = "##"
+    chunk_cache_tokens: int | None = None
+    chunk_cache_fraction: float = 0.3
+    max_chunk_tokens: int = 4096
+    oversize_chunk: str = "error"
+    chunk_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("kv_cache_tokens", "kv_cache_memory_bytes", "max_model_len"):
+        for name in ("kv_cache_tokens", "kv_cache_memory_bytes", "max_model_len",
+                     "chunk_cache_tokens"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
@@ -58,6 +69,21 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
+        if not isinstance(self.max_chunk_tokens, int) or self.max_chunk_tokens < 1:
+            raise ValueError(f"max_chunk_tokens must be a positive integer, got "
+                             f"{self.max_chunk_tokens!r}")
+        if not 0.0 < self.chunk_cache_fraction < 1.0:
+            raise ValueError(f"chunk_cache_fraction must be in (0, 1), got "
+                             f"{self.chunk_cache_fraction!r}")
+        if self.oversize_chunk not in ("error", "split"):
+            raise ValueError(f"oversize_chunk must be 'error' or 'split', got "
+                             f"{self.oversize_chunk!r}")
+        if self.chunk_hash_algo not in SUPPORTED_HASHES:
+            raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, got "
+                             f"{self.chunk_hash_algo!r}")
+        if self.chunk_separator is not None and (
+                not isinstance(self.chunk_separator, str) or not self.chunk_separator.strip()):
+            raise ValueError("chunk_separator must be a non-blank string or None")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from .cache.chunk_cache import ChunkCacheStats
 from .config import EngineConfig
 from .engine.engine import Engine
 from .outputs import RequestOutput
+from .prompt import RAGPrompt
 from .sampling import SamplingParams
 
 
@@ -33,10 +35,12 @@ class LLM:
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in the prompts' order.
 
-        A prompt is a str or a `{"prompt_token_ids": [...]}` dict. All prompts are validated
-        before any is queued, so a bad one raises ValueError and nothing runs.
+        A prompt is a str (split at `chunk_separator` into system, chunks and question), a
+        `RAGPrompt`, or a `{"prompt_token_ids": [...]}` / `{"prompt": ...}` dict, each with
+        an optional `cache_salt`. All prompts are validated before any is queued, so a bad one
+        raises ValueError and nothing runs.
         """
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, dict, RAGPrompt)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -72,6 +76,15 @@ class LLM:
         finally:
             bar.close()
         return [results[rid] for rid in ids]
+
+    def get_chunk_cache_stats(self) -> ChunkCacheStats:
+        """lookups, hits, misses, hit_rate, hit_tokens, cached_chunks, used_tokens,
+        capacity_tokens, evictions, avg_lookup_ms (counted over the engine's life)."""
+        return self.engine.chunk_cache_stats()
+
+    def clear_chunk_cache(self) -> int:
+        """Drop every cached chunk no running request uses; returns how many."""
+        return self.engine.clear_chunk_cache()
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()

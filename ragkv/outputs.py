@@ -28,6 +28,9 @@ class RequestMetrics:
     finished_time: float | None = None
     time_in_queue: float | None = None
     num_prefix_cached_tokens: int = 0
+    num_chunk_hits: int = 0
+    num_chunk_misses: int = 0
+    num_chunk_cached_tokens: int = 0
     num_preemptions: int = 0
 
     @property

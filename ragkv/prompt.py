@@ -1,44 +1,206 @@
-"""Prompt inputs -> token lists.
+"""Prompt inputs -> a `ChunkedPrompt` of token lists (DESIGN §2).
 
-Accepted inputs: a string (tokenized with the tokenizer's special tokens) or a
-`{"prompt_token_ids": [...]}` dict (used as given).
+Accepted inputs:
+- a string; if it contains the chunk separator it reads `system ## chunk_1 ## ... ## question`.
+  The text is split first and each part tokenized on its own (the system part with the
+  tokenizer's special tokens, chunks and question without), because splitting on separator
+  *tokens* breaks when the tokenizer merges the separator with its neighbours;
+- a `RAGPrompt(system, chunks, question)` of strings or token-id lists (lists used as given);
+- a dict: `{"prompt_token_ids": [...]}` (used as given) or `{"prompt": "..."}`, either with an
+  optional `"cache_salt"`.
+Separators never reach the model. Empty chunks are dropped; no chunks is an ordinary prompt.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# Where the documents go when a chat template is rendered; split out again afterwards.
+_DOC_SENTINEL = "\u2063ragkv-documents\u2063"
 
 
 @dataclass(frozen=True, slots=True)
-class ParsedPrompt:
-    text: str | None
-    token_ids: list[int]
+class RAGPrompt:
+    system: str | list[int]
+    chunks: list[str | list[int]] = field(default_factory=list)
+    question: str | list[int] = ""
+    cache_salt: str | None = None
 
 
-def parse_prompt(prompt: object, tokenizer, vocab_size: int) -> ParsedPrompt:
+@dataclass(frozen=True, slots=True)
+class ChunkedPrompt:
+    """Token lists of one prompt. With no chunks it is an ordinary prompt (system + question
+    are simply consecutive tokens)."""
+
+    system: list[int]
+    chunks: list[list[int]]
+    question: list[int]
+    text: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def is_rag(self) -> bool:
+        return bool(self.chunks)
+
+    @property
+    def token_ids(self) -> list[int]:
+        out = list(self.system)
+        for chunk in self.chunks:
+            out.extend(chunk)
+        out.extend(self.question)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRules:
+    """How prompts are split and checked; from the engine config."""
+
+    vocab_size: int
+    separator: str | None = "##"
+    max_chunk_tokens: int = 4096
+    oversize_chunk: str = "error"  # or "split"
+
+
+def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt:
+    salt = None
+    if isinstance(prompt, dict):
+        salt = prompt.get("cache_salt")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            _check_ids("prompt_token_ids", ids)
+            parsed = ChunkedPrompt([], [], list(ids), prompt.get("prompt"), salt)
+            return _finish(parsed, rules)
+        if "prompt" not in prompt:
+            raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        prompt = prompt["prompt"]
+        if not isinstance(prompt, str):
+            raise ValueError("'prompt' must be a string")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt must be a string")
     if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is empty")
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
-        parsed = ParsedPrompt(prompt, ids)
-    elif isinstance(prompt, dict):
-        if "prompt_token_ids" not in prompt:
-            raise ValueError("a dict prompt needs a 'prompt_token_ids' list")
-        ids = prompt["prompt_token_ids"]
-        if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        parsed = ParsedPrompt(prompt.get("prompt"), list(ids))
-    else:
-        raise ValueError(
-            f"unsupported prompt type {type(prompt).__name__}: give a str or a "
-            "{'prompt_token_ids': [...]} dict"
-        )
-    if not parsed.token_ids:
+        return _finish(_split_text(prompt, tokenizer, rules.separator, salt), rules)
+    if isinstance(prompt, RAGPrompt):
+        return _finish(_from_rag_prompt(prompt, tokenizer), rules)
+    raise ValueError(
+        f"unsupported prompt type {type(prompt).__name__}: give a str, a RAGPrompt or a dict "
+        "with 'prompt_token_ids' or 'prompt'"
+    )
+
+
+def _split_text(text: str, tokenizer, separator: str | None, salt: str | None) -> ChunkedPrompt:
+    if not text:
+        raise ValueError("prompt is empty")
+    if not separator or separator not in text:
+        return ChunkedPrompt([], [], tokenizer.encode(text, add_special_tokens=True), text, salt)
+    parts = text.split(separator)
+    system, chunks, question = parts[0], parts[1:-1], parts[-1]
+    if not question.strip():
+        raise ValueError("the question (the text after the last chunk separator) is empty")
+    return ChunkedPrompt(
+        system=tokenizer.encode(system, add_special_tokens=True),
+        chunks=[tokenizer.encode(c, add_special_tokens=False) for c in chunks if c.strip()],
+        question=tokenizer.encode(question, add_special_tokens=False),
+        text=text, cache_salt=salt,
+    )
+
+
+def _from_rag_prompt(p: RAGPrompt, tokenizer) -> ChunkedPrompt:
+    def tokens(part, name: str, special: bool) -> list[int]:
+        if isinstance(part, str):
+            return tokenizer.encode(part, add_special_tokens=special) if part or special else []
+        _check_ids(name, part)
+        return list(part)
+
+    if isinstance(p.question, str) and not p.question.strip() or not p.question:
+        raise ValueError("RAGPrompt.question is empty")
+    if not isinstance(p.chunks, (list, tuple)):
+        raise ValueError("RAGPrompt.chunks must be a list")
+    chunks = [tokens(c, "RAGPrompt.chunks", False) for c in p.chunks]
+    return ChunkedPrompt(
+        system=tokens(p.system, "RAGPrompt.system", True),
+        chunks=[c for c in chunks if c],
+        question=tokens(p.question, "RAGPrompt.question", False),
+        text=None, cache_salt=p.cache_salt,
+    )
+
+
+def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
+    if p.cache_salt is not None and not isinstance(p.cache_salt, str):
+        raise ValueError("cache_salt must be a string")
+    if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
-    bad = [t for t in parsed.token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(
-            f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {vocab_size})"
-        )
-    return parsed
+    if p.chunks and not p.question:
+        raise ValueError("the question is empty")
+    for part in (p.system, *p.chunks, p.question):
+        bad = next((t for t in part if not 0 <= t < rules.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"prompt_token_ids contains {bad}, outside the vocabulary [0, {rules.vocab_size})"
+            )
+    chunks = p.chunks
+    if any(len(c) > rules.max_chunk_tokens for c in chunks):
+        if rules.oversize_chunk != "split":
+            longest = max(len(c) for c in chunks)
+            raise ValueError(
+                f"a chunk has {longest} tokens, more than max_chunk_tokens="
+                f"{rules.max_chunk_tokens} (set oversize_chunk='split' to split it)"
+            )
+        step = rules.max_chunk_tokens
+        chunks = [c[i:i + step] for c in chunks for i in range(0, len(c), step)]
+    if not chunks:
+        # No chunks: an ordinary prompt whose tokens are system + question.
+        return ChunkedPrompt([], [], p.system + p.question, p.text, p.cache_salt)
+    return ChunkedPrompt(p.system, chunks, p.question, p.text, p.cache_salt)
+
+
+def _check_ids(name: str, ids: object) -> None:
+    if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"{name} must be a list of integers")
+
+
+def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
+                      separator: str | None = "##") -> tuple[ChunkedPrompt, str]:
+    """Render a chat with the model's own template and cut it where the documents go.
+
+    Documents come from `documents`, or else from separators in the last user message (every
+    part before the last is a document, the last part is the question). The template is
+    rendered once with a sentinel in front of the question; the text before the sentinel is
+    the system part, the documents are the chunks, the rest (question, end of turn, assistant
+    header) is the question part. Returns the prompt and the full rendered text.
+    """
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last_user is None:
+        raise ValueError("a chat request needs at least one user message")
+    content = messages[last_user].get("content")
+    if not isinstance(content, str):
+        raise ValueError("the last user message's content must be a string")
+    if documents is None and separator and separator in content:
+        parts = content.split(separator)
+        documents, content = parts[:-1], parts[-1]
+    docs = [d for d in (documents or []) if d.strip()]
+    if documents is not None and not content.strip():
+        raise ValueError("the question (the last user message) is empty")
+    rendered_msgs = [dict(m) for m in messages]
+    if not docs:
+        rendered_msgs[last_user]["content"] = content
+        text = _render(tokenizer, rendered_msgs)
+        return ChunkedPrompt([], [], tokenizer.encode(text, add_special_tokens=False), text), text
+    rendered_msgs[last_user]["content"] = _DOC_SENTINEL + content
+    text = _render(tokenizer, rendered_msgs)
+    if text.count(_DOC_SENTINEL) != 1:
+        raise ValueError("the chat template does not keep the user message intact")
+    head, tail = text.split(_DOC_SENTINEL)
+    prompt = ChunkedPrompt(
+        system=tokenizer.encode(head, add_special_tokens=False),
+        chunks=[tokenizer.encode(d, add_special_tokens=False) for d in docs],
+        question=tokenizer.encode(tail, add_special_tokens=False),
+        text=head + "".join(docs) + tail,
+    )
+    return prompt, prompt.text
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -3,8 +3,8 @@ prefixes from the radix tree, and give everything back.
 
 A sequence's KV state is a `SeqKV`: the slot of every token it has computed (or has been
 scheduled to compute), of which the first `num_tree` belong to the radix tree and are locked
-through `handle`; the rest are the sequence's own. The scheduler deals in these and in integers;
-it never sees tree nodes.
+through `handle`, and the ranges in `borrowed` belong to the chunk cache; the rest are the
+sequence's own. The scheduler deals in these and in integers; it never sees tree nodes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,17 @@ class SeqKV:
     slots: list[int] = field(default_factory=list)
     num_tree: int = 0
     handle: RadixHandle | None = None
+    borrowed: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in slots
+
+    def own_slots(self) -> list[int]:
+        if not self.borrowed:
+            return self.slots[self.num_tree:]
+        own, pos = [], self.num_tree
+        for start, end in sorted(self.borrowed):
+            own.extend(self.slots[pos:start])
+            pos = end
+        own.extend(self.slots[pos:])
+        return own
 
 
 class KVCacheManager:
@@ -86,12 +97,13 @@ class KVCacheManager:
         valid) and prefix caching on, their KV stays in the tree for later requests."""
         if computed_tokens:
             self.cache(seq, computed_tokens)
-        self.allocator.free(seq.slots[seq.num_tree:])
+        self.allocator.free(seq.own_slots())
         if seq.handle is not None:
             self.radix.unlock(seq.handle)
         seq.slots = []
         seq.num_tree = 0
         seq.handle = None
+        seq.borrowed = []
 
     def check_integrity(self, live: list[SeqKV] = ()) -> None:
         """free + cached + held by live sequences == capacity, with no slot counted twice."""
@@ -101,7 +113,7 @@ class KVCacheManager:
             self.radix.check_integrity()
         own: list[int] = []
         for seq in live:
-            own.extend(seq.slots[seq.num_tree:])
+            own.extend(seq.own_slots())
         everything = self.allocator.free_slots() + tree_slots + own
         if len(everything) != self.capacity or len(set(everything)) != self.capacity:
             raise AssertionError(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
 from ..cache.kv_manager import KVCacheManager
 from ..cache.kv_pool import KVPool, SlotAllocator
 from ..config import (
@@ -24,9 +25,9 @@ from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.runner import ModelRunner
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..prompt import parse_prompt
+from ..prompt import ChunkedPrompt, PromptRules, parse_prompt
 from ..sampling import SamplingParams, sample
-from .request import Request, RequestStatus
+from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger("ragkv")
@@ -36,16 +37,21 @@ logger = logging.getLogger("ragkv")
 _DEFAULT_MAX_KV_TOKENS = 262_144
 
 
+# The only strategy built so far: chunks share positions after S and see only S and themselves.
+STRATEGY = "positions=shared,attention=isolated"
+
+
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
-    """Derived sizes of the KV pool."""
+    """Derived sizes of the KV pool: slot 0 (padding), the general region, the chunk region."""
 
     general_tokens: int
+    chunk_tokens: int
     max_model_len: int
 
     @property
     def num_slots(self) -> int:
-        return 1 + self.general_tokens  # slot 0 is the padding slot
+        return 1 + self.general_tokens + self.chunk_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +85,17 @@ class Engine:
         self.max_model_len = self.layout.max_model_len
         self.pool = KVPool(mc.num_layers, self.layout.num_slots, mc.num_kv_heads, mc.head_dim,
                            self.dtype, self.device)
-        allocator = SlotAllocator(1, self.layout.num_slots)
-        self.kv = KVCacheManager(allocator, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching)
+        general_end = 1 + self.layout.general_tokens
+        self.kv = KVCacheManager(SlotAllocator(1, general_end), config.enable_prefix_caching)
+        self.chunk_cache = None
+        if config.enable_chunk_cache:
+            region = SlotAllocator(general_end, self.layout.num_slots)
+            self.chunk_cache = ChunkCache(region, config.chunk_hash_algo)
+        self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_prefix_caching)
+        self.prompt_rules = PromptRules(mc.vocab_size, config.chunk_separator,
+                                        config.max_chunk_tokens, config.oversize_chunk)
+        self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{STRATEGY}"
         self.runner = ModelRunner(self.model, self.pool, get_attention_backend("torch"),
                                   self.device)
         self.eos_token_ids = frozenset(self._eos_ids())
@@ -102,17 +115,23 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        parsed = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size)
-        self._validate(len(parsed.token_ids), params)
+        parsed = (prompt if isinstance(prompt, ChunkedPrompt)
+                  else parse_prompt(prompt, self.tokenizer, self.prompt_rules))
+        token_ids = parsed.token_ids
+        self._validate(len(token_ids), params)
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        max_tokens = self.max_model_len - len(parsed.token_ids)
+        max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks])
+        namespace = f"{self._namespace}|salt={parsed.cache_salt or ''}"
+        system = tuple(parsed.system)
+        chunks = tuple(tuple(c) for c in parsed.chunks)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -124,9 +143,10 @@ class Engine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(
                 request_id=child_id, parent_id=request_id, index=i, prompt=parsed.text,
-                prompt_token_ids=parsed.token_ids, params=params, generator=generator,
+                prompt_token_ids=token_ids, params=params, generator=generator,
                 max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
-                metrics=RequestMetrics(arrival_time=arrival),
+                metrics=RequestMetrics(arrival_time=arrival), layout=layout,
+                system=system, chunks=chunks, namespace=namespace,
             ))
         self._parents[request_id] = children
         for child in children:
@@ -264,9 +284,26 @@ class Engine:
         if self.kv.radix is not None:
             self.kv.radix.reset()
 
+    def chunk_cache_stats(self) -> ChunkCacheStats:
+        if self.chunk_cache is None:
+            return ChunkCache(None).stats()
+        return self.chunk_cache.stats()
+
+    def clear_chunk_cache(self) -> int:
+        return self.chunk_cache.clear() if self.chunk_cache is not None else 0
+
     def check_integrity(self) -> None:
-        """Every slot is free, cached or held by a live request, exactly once."""
-        self.kv.check_integrity(self.scheduler.live_kv())
+        """Every slot is free, cached or held by a live request, exactly once; chunk pins
+        are exactly the live requests' references."""
+        live = self.scheduler.live()
+        self.kv.check_integrity([r.kv for r in live])
+        if self.chunk_cache is not None:
+            pins: dict[int, int] = {}
+            for req in live:
+                for binding in req.bindings:
+                    if binding is not None and binding.entry is not None:
+                        pins[id(binding.entry)] = pins.get(id(binding.entry), 0) + 1
+            self.chunk_cache.check_integrity(pins)
 
 
 def _max_model_len(config: EngineConfig, mc) -> int:
@@ -287,6 +324,8 @@ def _max_model_len(config: EngineConfig, mc) -> int:
 
 def _cache_layout(config: EngineConfig, mc, dtype: torch.dtype, device: torch.device,
                   max_len: int) -> CacheLayout:
+    """Pool size from kv_cache_tokens, a memory budget or the device; the chunk region takes
+    chunk_cache_tokens or chunk_cache_fraction of it, the general region the rest."""
     per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
     if config.kv_cache_tokens is not None:
         tokens = config.kv_cache_tokens
@@ -297,13 +336,22 @@ def _cache_layout(config: EngineConfig, mc, dtype: torch.dtype, device: torch.de
         tokens = int(free * DEFAULT_GPU_KV_FRACTION) // per_token
     else:
         tokens = min(DEFAULT_CPU_KV_BYTES // per_token, _DEFAULT_MAX_KV_TOKENS)
-    if tokens < 1:
+    chunk = 0
+    if config.enable_chunk_cache:
+        chunk = (config.chunk_cache_tokens if config.chunk_cache_tokens is not None
+                 else int(tokens * config.chunk_cache_fraction))
+        if chunk >= tokens:
+            raise ValueError(f"chunk_cache_tokens={chunk} leaves no room in a KV pool of "
+                             f"{tokens} tokens")
+    general = tokens - chunk
+    if general < 1:
         raise ValueError("the KV cache budget holds no token at all")
-    if tokens < max_len:
+    if general < max_len:
         if config.max_model_len is not None:
             raise ValueError(
-                f"the KV cache holds {tokens} tokens, fewer than max_model_len={max_len}: "
-                "raise kv_cache_tokens or lower max_model_len"
+                f"the general KV region holds {general} tokens ({tokens} in the pool, {chunk} "
+                f"for the chunk cache), fewer than max_model_len={max_len}: raise "
+                "kv_cache_tokens or lower max_model_len or chunk_cache_tokens"
             )
-        max_len = tokens
-    return CacheLayout(general_tokens=tokens, max_model_len=max_len)
+        max_len = general
+    return CacheLayout(general_tokens=general, chunk_tokens=chunk, max_model_len=max_len)

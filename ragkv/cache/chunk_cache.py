@@ -1,0 +1,241 @@
+"""Chunk KV cache: the KV of a document chunk computed under a system prompt, reusable by any
+request with that system prompt, at any place among its chunks.
+
+Under ragkv's semantics a chunk's KV depends only on (model, system tokens, chunk tokens), so
+an entry is keyed by a hash of those and of a namespace (model fingerprint, dtype, strategy,
+the request's cache salt: tenants never share entries). Tokens are compared on every hit, so a
+hash collision can never serve wrong KV.
+
+Entries live in their own region of the KV pool with their own allocator, so the chunk cache
+cannot starve running requests nor be starved by them. Rules:
+- `lookup` finds an entry (complete, or still being computed by its owner) and counts it;
+- `pin` / `unpin` keep an entry alive while a request's KV list uses its slots;
+- `reserve` creates an entry being computed, pinned once for its owner, evicting unpinned
+  entries least recently used first; it returns None if the region cannot make room;
+- `complete` marks the owner's computation done; `abandon` drops an unfinished entry whose
+  owner stopped (its slots are freed once nobody pins it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .kv_pool import SlotAllocator
+
+SUPPORTED_HASHES = ("sha256", "xxh3_128")
+
+
+class ChunkEntry:
+    __slots__ = ("key", "system", "tokens", "slots", "ref_count", "complete", "alive")
+
+    def __init__(self, key: bytes, system: tuple[int, ...], tokens: tuple[int, ...],
+                 slots: list[int]) -> None:
+        self.key = key
+        self.system = system
+        self.tokens = tokens
+        self.slots = slots
+        self.ref_count = 0
+        self.complete = False
+        self.alive = True
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkCacheStats:
+    lookups: int
+    hits: int
+    misses: int
+    hit_tokens: int
+    cached_chunks: int
+    used_tokens: int
+    capacity_tokens: int
+    evictions: int
+    evicted_tokens: int
+    avg_lookup_ms: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def usage(self) -> float:
+        return self.used_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+
+class ChunkCache:
+    def __init__(self, allocator: SlotAllocator | None, hash_algo: str = "sha256") -> None:
+        if hash_algo not in SUPPORTED_HASHES:
+            raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, "
+                             f"got {hash_algo!r}")
+        self.allocator = allocator
+        self.hash_algo = hash_algo
+        self._hasher = _make_hasher(hash_algo)
+        self._entries: dict[bytes, ChunkEntry] = {}
+        # Complete entries nobody pins, least recently used first: the eviction order.
+        self._lru: OrderedDict[bytes, ChunkEntry] = OrderedDict()
+        self._lru_tokens = 0
+        self._orphans: list[ChunkEntry] = []  # abandoned but still pinned
+        self.lookups = self.hits = self.misses = self.hit_tokens = 0
+        self.evictions = self.evicted_tokens = 0
+        self._lookup_seconds = 0.0
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity if self.allocator else 0
+
+    def key(self, namespace: str, system: tuple[int, ...], tokens: tuple[int, ...]) -> bytes:
+        h = self._hasher()
+        for part in (namespace.encode(), array("q", system).tobytes(),
+                     array("q", tokens).tobytes()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part)
+        return h.digest()
+
+    def lookup(self, namespace: str, system: tuple[int, ...],
+               tokens: tuple[int, ...]) -> tuple[bytes, ChunkEntry | None]:
+        """Find the entry for this chunk (complete or being computed); counts a hit or miss."""
+        start = time.perf_counter()
+        key = self.key(namespace, system, tokens)
+        entry = self._entries.get(key)
+        if entry is not None and (entry.tokens != tokens or entry.system != system):
+            entry = None  # a hash collision: never serve another chunk's KV
+        self.lookups += 1
+        if entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self.hit_tokens += len(tokens)
+        self._lookup_seconds += time.perf_counter() - start
+        return key, entry
+
+    def find(self, key: bytes, system: tuple[int, ...],
+             tokens: tuple[int, ...]) -> ChunkEntry | None:
+        """Like lookup, uncounted: for a request re-checking a chunk it is waiting for."""
+        entry = self._entries.get(key)
+        if entry is not None and (entry.tokens != tokens or entry.system != system):
+            return None
+        return entry
+
+    def pin(self, entry: ChunkEntry) -> None:
+        if entry.ref_count == 0 and self._lru.pop(entry.key, None) is not None:
+            self._lru_tokens -= len(entry)
+        entry.ref_count += 1
+
+    def unpin(self, entry: ChunkEntry) -> None:
+        if entry.ref_count <= 0:
+            raise AssertionError("chunk cache: unpin of an unpinned entry")
+        entry.ref_count -= 1
+        if entry.ref_count:
+            return
+        if not entry.alive:
+            self._orphans.remove(entry)
+            self.allocator.free(entry.slots)
+        elif entry.complete:
+            self._lru[entry.key] = entry
+            self._lru_tokens += len(entry)
+
+    def reserve(self, key: bytes, system: tuple[int, ...],
+                tokens: tuple[int, ...]) -> ChunkEntry | None:
+        """A new entry to be computed by the caller, pinned once; None if it cannot fit."""
+        if self.allocator is None or len(tokens) > self.allocator.capacity:
+            return None
+        need = len(tokens) - self.allocator.num_free
+        if need > self._lru_tokens:
+            return None
+        self.evict(need)
+        slots = self.allocator.alloc(len(tokens))
+        entry = ChunkEntry(key, system, tokens, slots)
+        entry.ref_count = 1
+        self._entries[key] = entry
+        return entry
+
+    def complete(self, entry: ChunkEntry) -> None:
+        entry.complete = True
+        if entry.ref_count == 0:  # the owner already let go
+            self._lru[entry.key] = entry
+            self._lru_tokens += len(entry)
+
+    def abandon(self, entry: ChunkEntry) -> None:
+        """The owner stops before finishing: drop the entry and release the owner's pin."""
+        assert not entry.complete and entry.alive
+        entry.alive = False
+        del self._entries[entry.key]
+        self._orphans.append(entry)
+        self.unpin(entry)
+
+    def evict(self, num_tokens: int) -> int:
+        freed = 0
+        while freed < num_tokens and self._lru:
+            _, entry = self._lru.popitem(last=False)
+            self._lru_tokens -= len(entry)
+            del self._entries[entry.key]
+            entry.alive = False
+            self.allocator.free(entry.slots)
+            freed += len(entry)
+            self.evictions += 1
+        self.evicted_tokens += freed
+        return freed
+
+    def clear(self) -> int:
+        """Drop every entry no request is using; returns how many were dropped."""
+        n = len(self._lru)
+        self.evict(self._lru_tokens)
+        return n
+
+    def stats(self) -> ChunkCacheStats:
+        used = self.capacity - self.allocator.num_free if self.allocator else 0
+        return ChunkCacheStats(
+            lookups=self.lookups, hits=self.hits, misses=self.misses,
+            hit_tokens=self.hit_tokens, cached_chunks=len(self._entries), used_tokens=used,
+            capacity_tokens=self.capacity, evictions=self.evictions,
+            evicted_tokens=self.evicted_tokens,
+            avg_lookup_ms=1000 * self._lookup_seconds / self.lookups if self.lookups else 0.0,
+        )
+
+    def check_integrity(self, pins: dict[int, int] | None = None) -> None:
+        """free + entries' slots == capacity; pins match `pins` (id(entry) -> count) if given."""
+        if self.allocator is None:
+            if self._entries:
+                raise AssertionError("chunk cache: entries without a region")
+            return
+        self.allocator.check_integrity()
+        held = [s for e in self._entries.values() for s in e.slots]
+        held += [s for e in self._orphans for s in e.slots]
+        everything = held + self.allocator.free_slots()
+        if len(everything) != self.capacity or len(set(everything)) != self.capacity:
+            raise AssertionError(
+                f"chunk cache: free {self.allocator.num_free} + held {len(held)} != "
+                f"capacity {self.capacity} (or a slot is held twice)"
+            )
+        for key, entry in self._entries.items():
+            if entry.key != key or not entry.alive or len(entry.slots) != len(entry.tokens):
+                raise AssertionError("chunk cache: malformed entry")
+            in_lru = key in self._lru
+            if in_lru != (entry.ref_count == 0 and entry.complete):
+                raise AssertionError("chunk cache: LRU membership disagrees with pins")
+            if not entry.complete and entry.ref_count == 0:
+                raise AssertionError("chunk cache: an unfinished entry has no owner")
+        if self._lru_tokens != sum(len(e) for e in self._lru.values()):
+            raise AssertionError("chunk cache: LRU token count drifted")
+        if pins is not None:
+            counted = {id(e): e.ref_count for e in [*self._entries.values(), *self._orphans]
+                       if e.ref_count}
+            if counted != {k: v for k, v in pins.items() if v}:
+                raise AssertionError("chunk cache: pin counts disagree with live requests")
+
+
+def _make_hasher(algo: str):
+    if algo == "sha256":
+        return hashlib.sha256
+    try:
+        import xxhash
+    except ImportError as e:
+        raise ValueError("chunk_hash_algo='xxh3_128' needs the xxhash package "
+                         "(pip install 'ragkv[xxhash]')") from e
+    return xxhash.xxh3_128

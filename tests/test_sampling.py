@@ -1,0 +1,264 @@
+"""The sampler: seeded sampling reproducible whatever the batch and the instance, the
+truncations (top-k, top-p, min-p, temperature) on hand-made logits, and logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from ragkv import LLM, SamplingParams
+from ragkv.sampling import sample
+
+PROMPT = "The garden is green and"
+SEEDED = SamplingParams(temperature=1.0, seed=123, max_tokens=10)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("builtin:tiny")
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# --------------------------------------------------------------------------- through the engine
+
+
+def test_seeded_sampling_reproducible_alone_batched_and_fresh(llm):
+    alone = tokens(llm, PROMPT, SEEDED)[0]
+    assert len(alone) >= 1
+    assert tokens(llm, PROMPT, SEEDED)[0] == alone
+    others = ["Once upon a time", "some text", {"prompt_token_ids": [1, 300, 301, 302, 303]}]
+    prompts = [others[0], others[1], PROMPT, others[2]]
+    # The batch mixes unseeded, greedy and differently seeded rows with the seeded one.
+    params = [SamplingParams(temperature=0.7, max_tokens=12),
+              SamplingParams(temperature=0, max_tokens=5),
+              SEEDED,
+              SamplingParams(temperature=1.3, top_k=50, seed=5, max_tokens=10)]
+    assert tokens(llm, prompts, params)[2] == alone
+    assert tokens(llm, prompts[::-1], params[::-1])[1] == alone
+    fresh = LLM("builtin:tiny", seed=99)
+    assert tokens(fresh, PROMPT, SEEDED)[0] == alone
+    llm.check_integrity()
+    fresh.check_integrity()
+
+
+def test_different_seeds_give_different_sequences(llm):
+    seeds = [123, 124, 1, 2]
+    params = [SEEDED.clone(seed=s, ignore_eos=True) for s in seeds]
+    outs = tokens(llm, [PROMPT] * len(seeds), params)
+    assert len({tuple(t) for t in outs}) == len(seeds)
+    llm.check_integrity()
+
+
+def test_unseeded_requests_differ_from_each_other(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    outs = tokens(llm, [PROMPT] * 3, params)
+    assert len({tuple(t) for t in outs}) == 3
+    llm.check_integrity()
+
+
+def test_greedy_ignores_seed_and_matches_argmax_chain(llm):
+    a = tokens(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, seed=1))[0]
+    b = tokens(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, seed=2))[0]
+    assert a == b
+    # top_k=1 at any temperature is greedy too.
+    c = tokens(llm, PROMPT, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, seed=3))[0]
+    assert c == a
+    llm.check_integrity()
+
+
+# --------------------------------------------------------------------------- sample() directly
+
+
+def gens(n: int, base: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(base + i) for i in range(n)]
+
+
+def random_logits(rows: int = 8, vocab: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=1),
+    SamplingParams(temperature=3.0, top_k=1),
+    SamplingParams(temperature=1.0, top_p=1e-6),
+    SamplingParams(temperature=2.0, top_p=1e-6),
+    SamplingParams(temperature=1.0, min_p=1.0),
+    SamplingParams(temperature=0.5, min_p=1.0),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1e-6),
+    SamplingParams(temperature=0.0, top_k=5, top_p=0.5),
+], ids=["top_k1", "top_k1_hot", "top_p_tiny", "top_p_tiny_hot", "min_p1", "min_p1_cold",
+        "temp0", "temp_below_eps", "temp0_with_filters"])
+def test_degenerate_settings_equal_argmax(params):
+    logits = random_logits()
+    result = sample(logits, [params] * 8, gens(8))
+    assert result.token_ids == logits.argmax(dim=-1).tolist()
+    assert result.token_logprobs == [None] * 8
+
+
+def test_rows_are_independent_of_the_batch():
+    logits = random_logits(rows=6, vocab=200, seed=4)
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+              for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.7, 20, 1.0, 0.0),
+                                 (1.2, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.0, 3, 0.5, 0.0)]]
+    batched = sample(logits, params, gens(6, base=10)).token_ids
+    for i in range(6):
+        alone = sample(logits[i:i + 1], [params[i]], [torch.Generator().manual_seed(10 + i)])
+        assert alone.token_ids == [batched[i]]
+    # The same generator seed gives the same draws again.
+    assert sample(logits, params, gens(6, base=10)).token_ids == batched
+
+
+PROBS = [0.5, 0.3, 0.2]
+DRAWS = 2000
+
+
+def draw_counts(params: SamplingParams, seed: int = 0, probs=PROBS) -> Counter:
+    logits = torch.tensor(probs).log().repeat(DRAWS, 1)
+    gen = torch.Generator().manual_seed(seed)
+    return Counter(sample(logits, [params] * DRAWS, [gen] * DRAWS).token_ids)
+
+
+def test_plain_sampling_follows_the_distribution():
+    counts = draw_counts(SamplingParams(temperature=1.0))
+    for token, p in enumerate(PROBS):
+        assert abs(counts[token] / DRAWS - p) < 0.05
+
+
+def test_top_k_2_renormalises_over_the_two_best():
+    counts = draw_counts(SamplingParams(temperature=1.0, top_k=2))
+    assert counts[2] == 0
+    assert abs(counts[0] / DRAWS - 0.625) < 0.05
+    assert abs(counts[1] / DRAWS - 0.375) < 0.05
+
+
+def test_top_k_at_least_vocab_is_no_filter():
+    counts = draw_counts(SamplingParams(temperature=1.0, top_k=10))
+    assert set(counts) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    # 0.5 < 0.6, so token 1 is needed; 0.8 >= 0.6, so token 2 is not.
+    counts = draw_counts(SamplingParams(temperature=1.0, top_p=0.6))
+    assert set(counts) == {0, 1}
+    assert abs(counts[0] / DRAWS - 0.625) < 0.05
+    # Below the mass of the top token, the top token alone suffices.
+    assert set(draw_counts(SamplingParams(temperature=1.0, top_p=0.45))) == {0}
+    assert set(draw_counts(SamplingParams(temperature=1.0, top_p=0.85))) == {0, 1, 2}
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
+    # Threshold 0.5 * 0.5 = 0.25: token 2 (0.2) goes, token 1 (0.3) stays.
+    counts = draw_counts(SamplingParams(temperature=1.0, min_p=0.5))
+    assert set(counts) == {0, 1}
+    assert abs(counts[0] / DRAWS - 0.625) < 0.05
+    assert set(draw_counts(SamplingParams(temperature=1.0, min_p=0.3))) == {0, 1, 2}
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = draw_counts(SamplingParams(temperature=0.25))
+    hot = draw_counts(SamplingParams(temperature=4.0))
+    # p^(1/T) renormalised: T=0.25 gives token 0 about 0.87, T=4 brings token 2 near 0.29.
+    assert abs(cold[0] / DRAWS - 0.5**4 / sum(p**4 for p in PROBS)) < 0.05
+    want_hot = 0.2**0.25 / sum(p**0.25 for p in PROBS)
+    assert abs(hot[2] / DRAWS - want_hot) < 0.05
+
+
+def test_sample_logprobs_are_of_the_raw_distribution():
+    logits = random_logits(rows=4, vocab=30, seed=7)
+    params = [SamplingParams(temperature=0.5, logprobs=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=2.0,
+                                                                         logprobs=5)]
+    result = sample(logits, params, gens(4))
+    logp = logits.log_softmax(dim=-1)
+    assert result.token_logprobs[1] is None and result.top_logprobs[1] is None
+    for i in (0, 2, 3):
+        tok = result.token_ids[i]
+        assert math.isclose(result.token_logprobs[i], logp[i, tok].item(), abs_tol=1e-5)
+        ids, vals, rank = result.top_logprobs[i]
+        k = params[i].logprobs
+        assert ids == logp[i].topk(k).indices.tolist()
+        assert all(math.isclose(v, logp[i, t].item(), abs_tol=1e-5) for t, v in zip(ids, vals,
+                                                                                     strict=True))
+        assert rank == int((logp[i] > logp[i, tok]).sum()) + 1
+    assert result.top_logprobs[2][2] == 1  # greedy: the sampled token ranks first
+
+
+# --------------------------------------------------------------------------- logprobs in outputs
+
+
+def test_logprobs_greedy(llm):
+    out = llm.generate(PROMPT, SamplingParams(logprobs=3, temperature=0, max_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for tok, step in zip(out.token_ids, out.logprobs, strict=True):
+        assert tok in step
+        assert 1 <= len(step) <= 4
+        assert all(lp.logprob <= 0 for lp in step.values())
+        assert step[tok].rank == 1
+        assert step[tok].logprob == max(lp.logprob for lp in step.values())
+        ranked = sorted(step.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == list(range(1, len(step) + 1))
+        assert all(a.logprob >= b.logprob for a, b in zip(ranked, ranked[1:], strict=False))
+        assert all(isinstance(lp.decoded_token, str) for lp in step.values())
+        total += step[tok].logprob
+    assert out.cumulative_logprob is not None
+    assert math.isclose(total, out.cumulative_logprob, abs_tol=1e-5)
+    llm.check_integrity()
+
+
+def test_logprobs_sampled_token_outside_top_k(llm):
+    params = SamplingParams(logprobs=2, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == len(out.token_ids) == 10
+    total = 0.0
+    outside = 0
+    for tok, step in zip(out.token_ids, out.logprobs, strict=True):
+        assert tok in step and 2 <= len(step) <= 3
+        top = {t: lp for t, lp in step.items() if lp.rank <= 2}
+        assert sorted(lp.rank for lp in top.values()) == [1, 2]
+        if tok not in top:
+            outside += 1
+            assert step[tok].rank > 2
+            assert step[tok].logprob <= min(lp.logprob for lp in top.values())
+        total += step[tok].logprob
+    # A near-uniform random model over 4096 tokens rarely samples its top 2.
+    assert outside > 0
+    assert math.isclose(total, out.cumulative_logprob, abs_tol=1e-5)
+    llm.check_integrity()
+
+
+def test_logprobs_zero_gives_only_the_sampled_token(llm):
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(logprobs=0, temperature=temperature, seed=4, max_tokens=5)
+        out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+        assert len(out.logprobs) == len(out.token_ids)
+        for tok, step in zip(out.token_ids, out.logprobs, strict=True):
+            assert list(step) == [tok]
+            assert step[tok].logprob <= 0
+        assert math.isclose(sum(s[t].logprob for t, s in zip(out.token_ids, out.logprobs,
+                                                             strict=True)),
+                            out.cumulative_logprob, abs_tol=1e-5)
+    llm.check_integrity()
+
+
+def test_logprobs_match_between_greedy_and_seeded_runs_of_the_same_token(llm):
+    """The reported logprobs are of the raw model distribution, whatever the temperature."""
+    cold = llm.generate(PROMPT, SamplingParams(logprobs=1, temperature=0, max_tokens=1),
+                        use_tqdm=False)[0].outputs[0]
+    hot = llm.generate(PROMPT, SamplingParams(logprobs=1, temperature=5.0, seed=0,
+                                              max_tokens=1), use_tqdm=False)[0].outputs[0]
+    top_cold = next(t for t, lp in cold.logprobs[0].items() if lp.rank == 1)
+    top_hot = next(t for t, lp in hot.logprobs[0].items() if lp.rank == 1)
+    assert top_cold == top_hot
+    assert math.isclose(cold.logprobs[0][top_cold].logprob, hot.logprobs[0][top_hot].logprob,
+                        abs_tol=1e-5)
+    llm.check_integrity()
