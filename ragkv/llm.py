@@ -10,7 +10,6 @@ from .cache.chunk_cache import ChunkCacheStats
 from .config import EngineConfig
 from .engine.engine import Engine
 from .outputs import RequestOutput
-from .prompt import RAGPrompt
 from .sampling import SamplingParams
 
 
@@ -40,9 +39,8 @@ class LLM:
         an optional `cache_salt`. All prompts are validated before any is queued, so a bad one
         raises ValueError and nothing runs.
         """
-        if isinstance(prompts, (str, dict, RAGPrompt)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        # Anything but a list or tuple is one prompt (and a wrong type is a ValueError there).
+        prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:

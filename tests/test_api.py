@@ -169,9 +169,6 @@ def test_prompt_of_exactly_max_model_len_is_accepted(llm64):
     assert_idle(llm64)
 
 
-@pytest.mark.xfail(reason="LLM.generate calls list(prompts) on a non-str/dict prompt, so a "
-                          "bare int (or None) raises TypeError 'object is not iterable' "
-                          "instead of the ValueError naming the prompt type", strict=True)
 @pytest.mark.parametrize("prompt", [5, None])
 def test_bare_unsupported_prompt_raises_value_error(llm64, prompt):
     with pytest.raises(ValueError, match="unsupported prompt type"):
@@ -204,9 +201,6 @@ def test_batch_with_only_last_prompt_bad_runs_nothing(llm64, bad):
     assert_idle(llm64)
 
 
-@pytest.mark.xfail(reason="engine._validate checks logprobs only against max_logprobs, not "
-                          "the vocabulary: with max_logprobs raised, logprobs > vocab_size is "
-                          "accepted and topk fails mid-step with RuntimeError", strict=True)
 def test_logprobs_above_vocab_size_rejected_up_front():
     llm = LLM("builtin:tiny", max_logprobs=VOCAB + 100)
     with pytest.raises(ValueError, match="logprobs"):
@@ -255,9 +249,6 @@ def test_sampling_params_validation_names_the_field(kwargs, name):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.xfail(reason="SamplingParams checks `temperature < 0`, which is False for NaN, "
-                          "so temperature=nan is accepted (the sampler then divides the logits "
-                          "by NaN and always returns token 0)", strict=True)
 def test_sampling_params_rejects_nan_temperature():
     with pytest.raises(ValueError, match=r"^temperature\b"):
         SamplingParams(temperature=float("nan"))
@@ -442,6 +433,18 @@ def test_stop_string_cuts_text_before_it(llm):
     none = greedy(llm, prompt, 16, ignore_eos=True, stop=["\x00never\x00"])
     assert none.token_ids == full.token_ids and none.text == text
     assert none.finish_reason == "length" and none.stop_reason is None
+    llm.check_integrity()
+
+
+def test_stop_token_id_is_kept_in_ids_but_not_in_text(llm):
+    tok = llm.get_tokenizer()
+    full = greedy(llm, "Once upon a time", 10, ignore_eos=True)
+    stop_id = full.token_ids[4]
+    k = full.token_ids.index(stop_id) + 1
+    out = greedy(llm, "Once upon a time", 10, ignore_eos=True, stop_token_ids=[stop_id])
+    assert out.token_ids == full.token_ids[:k]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    assert out.text == tok.decode(full.token_ids[:k - 1], skip_special_tokens=True)
     llm.check_integrity()
 
 

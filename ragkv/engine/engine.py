@@ -159,10 +159,12 @@ class Engine:
                 f"prompt has {num_prompt_tokens} tokens, longer than max_model_len="
                 f"{self.max_model_len}"
             )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}"
-            )
+        if params.logprobs is not None:
+            limit = min(self.config.max_logprobs, self.model_config.vocab_size)
+            if params.logprobs > limit:
+                raise ValueError(f"logprobs={params.logprobs} exceeds the limit of {limit} "
+                                 f"(max_logprobs={self.config.max_logprobs}, vocabulary size "
+                                 f"{self.model_config.vocab_size})")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
