@@ -90,12 +90,13 @@ def main() -> None:
 
         n = args.decode_tokens
         ragkv_run(4), hf_run(4)  # warm-up
+        def rate(run, n=n, batch=batch) -> float:
+            return batch * (n - 1) / (_timed(lambda: run(n)) - _timed(lambda: run(1)))
+
         r_rates, h_rates = [], []
         for _ in range(max(1, args.repeats // 2)):
-            r_rates.append(batch * (n - 1) / (_timed(lambda: ragkv_run(n))
-                                              - _timed(lambda: ragkv_run(1))))
-            h_rates.append(batch * (n - 1) / (_timed(lambda: hf_run(n))
-                                              - _timed(lambda: hf_run(1))))
+            r_rates.append(rate(ragkv_run))
+            h_rates.append(rate(hf_run))
         r, h = statistics.median(r_rates), statistics.median(h_rates)
         results.update({f"decode_bs{batch}_ragkv_tok_s": r, f"decode_bs{batch}_hf_tok_s": h,
                         f"decode_bs{batch}_ratio": r / h})
