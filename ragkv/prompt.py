@@ -81,6 +81,8 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt
         return _finish(_split_text(prompt, tokenizer, rules.separator, salt), rules)
     if isinstance(prompt, RAGPrompt):
         return _finish(_from_rag_prompt(prompt, tokenizer), rules)
+    if isinstance(prompt, ChunkedPrompt):  # already tokenized (e.g. a split chat prompt)
+        return _finish(prompt, rules)
     raise ValueError(
         f"unsupported prompt type {type(prompt).__name__}: give a str, a RAGPrompt or a dict "
         "with 'prompt_token_ids' or 'prompt'"
@@ -107,7 +109,9 @@ def _split_text(text: str, tokenizer, separator: str | None, salt: str | None) -
 def _from_rag_prompt(p: RAGPrompt, tokenizer) -> ChunkedPrompt:
     def tokens(part, name: str, special: bool) -> list[int]:
         if isinstance(part, str):
-            return tokenizer.encode(part, add_special_tokens=special) if part or special else []
+            # Like the separator form: a blank chunk is dropped, the system part gets BOS.
+            keep = special or part.strip()
+            return tokenizer.encode(part, add_special_tokens=special) if keep else []
         _check_ids(name, part)
         return list(part)
 
@@ -160,7 +164,8 @@ def _check_ids(name: str, ids: object) -> None:
 
 
 def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
-                      separator: str | None = "##") -> tuple[ChunkedPrompt, str]:
+                      separator: str | None = "##",
+                      cache_salt: str | None = None) -> tuple[ChunkedPrompt, str]:
     """Render a chat with the model's own template and cut it where the documents go.
 
     Documents come from `documents`, or else from separators in the last user message (every
@@ -185,7 +190,8 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     if not docs:
         rendered_msgs[last_user]["content"] = content
         text = _render(tokenizer, rendered_msgs)
-        return ChunkedPrompt([], [], tokenizer.encode(text, add_special_tokens=False), text), text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return ChunkedPrompt([], [], ids, text, cache_salt), text
     rendered_msgs[last_user]["content"] = _DOC_SENTINEL + content
     text = _render(tokenizer, rendered_msgs)
     if text.count(_DOC_SENTINEL) != 1:
@@ -196,6 +202,7 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
         chunks=[tokenizer.encode(d, add_special_tokens=False) for d in docs],
         question=tokenizer.encode(tail, add_special_tokens=False),
         text=head + "".join(docs) + tail,
+        cache_salt=cache_salt,
     )
     return prompt, prompt.text
 

@@ -145,6 +145,8 @@ class ChunkCache:
         """A new entry to be computed by the caller, pinned once; None if it cannot fit."""
         if self.allocator is None or len(tokens) > self.allocator.capacity:
             return None
+        if key in self._entries:
+            return None  # another chunk holds this hash: compute this one uncached
         need = len(tokens) - self.allocator.num_free
         if need > self._lru_tokens:
             return None

@@ -21,6 +21,7 @@ class SeqKV:
     num_tree: int = 0
     handle: RadixHandle | None = None
     borrowed: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in slots
+    namespace: str = ""  # prefix-cache namespace: the request's cache salt
 
     def own_slots(self) -> list[int]:
         if not self.borrowed:
@@ -52,7 +53,7 @@ class KVCacheManager:
         assert not seq.slots and seq.handle is None, "match_prefix on a sequence that holds slots"
         if self.radix is None or not tokens:
             return 0
-        match = self.radix.match_prefix(tokens)
+        match = self.radix.match_prefix(tokens, namespace=seq.namespace)
         self.radix.lock(match.handle)
         seq.slots = list(match.slots)
         seq.num_tree = match.length
@@ -80,10 +81,10 @@ class KVCacheManager:
         if self.radix is None or len(tokens) <= seq.num_tree:
             return
         n = len(tokens)
-        already = self.radix.insert(tokens, seq.slots[:n])
+        already = self.radix.insert(tokens, seq.slots[:n], seq.namespace)
         # Between num_tree and `already` the tree had its own copy: ours are duplicates.
         self.allocator.free(seq.slots[seq.num_tree:already])
-        match = self.radix.match_prefix(tokens, count=False)
+        match = self.radix.match_prefix(tokens, count=False, namespace=seq.namespace)
         assert match.length == n, "radix: freshly inserted tokens not found"
         self.radix.lock(match.handle)
         if seq.handle is not None:

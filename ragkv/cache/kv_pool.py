@@ -22,6 +22,9 @@ class KVPool:
         self.num_slots = num_slots
         self.kv = torch.empty(2, num_layers, num_slots, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
+        # Padded gathers read slot 0 under a mask; uninitialised memory could hold NaN, and
+        # NaN * 0 is NaN, so it must hold finite values.
+        self.kv[:, :, 0].zero_()
         self.k = self.kv[0]
         self.v = self.kv[1]
 

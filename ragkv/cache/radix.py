@@ -9,6 +9,8 @@ Rules:
   are not the tree's.
 - `evict(n)` frees at least `n` slots (if it can) to the allocator, least recently used
   unlocked leaves first, from a heap: no rescans of the tree.
+- Every call takes a `namespace` (the request's cache salt): each namespace has its own root,
+  so tenants never share entries.
 """
 
 from __future__ import annotations
@@ -65,21 +67,29 @@ class RadixStats:
 class RadixCache:
     def __init__(self, allocator: SlotAllocator) -> None:
         self.allocator = allocator
-        self.root = _Node([], [], None)
-        self.root.lock_ref = 1  # the root is never evicted
+        self._roots: dict[str, _Node] = {}
         self._clock = itertools.count(1)
         self._tiebreak = itertools.count()
         self._heap: list[tuple[int, int, _Node]] = []
-        self._num_nodes = 1
+        self._num_nodes = 0
         self.evictable_size = 0
         self.protected_size = 0
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evicted_tokens = 0
 
-    def match_prefix(self, tokens: list[int], count: bool = True) -> MatchResult:
+    def _root(self, namespace: str) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = self._roots[namespace] = _Node([], [], None)
+            root.lock_ref = 1  # roots are never evicted
+            self._num_nodes += 1
+        return root
+
+    def match_prefix(self, tokens: list[int], count: bool = True,
+                     namespace: str = "") -> MatchResult:
         """Longest cached prefix of `tokens`; splits an edge so the handle covers it exactly."""
-        node = self.root
+        node = self._root(namespace)
         slots: list[int] = []
         pos = 0
         now = next(self._clock)
@@ -100,11 +110,11 @@ class RadixCache:
         self._touch_leaf(node)
         return MatchResult(slots, RadixHandle(node))
 
-    def insert(self, tokens: list[int], slots: list[int]) -> int:
+    def insert(self, tokens: list[int], slots: list[int], namespace: str = "") -> int:
         """Cache `tokens` -> `slots`; returns the length of the prefix that was already cached."""
         if len(tokens) != len(slots):
             raise ValueError("insert: tokens and slots differ in length")
-        node = self.root
+        node = self._root(namespace)
         pos = 0
         now = next(self._clock)
         while pos < len(tokens):
@@ -128,7 +138,7 @@ class RadixCache:
 
     def lock(self, handle: RadixHandle) -> None:
         node = handle._node
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -137,7 +147,7 @@ class RadixCache:
 
     def unlock(self, handle: RadixHandle) -> None:
         node = handle._node
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise AssertionError("radix: unlock of an unlocked node")
             node.lock_ref -= 1
@@ -181,7 +191,7 @@ class RadixCache:
 
     def all_slots(self) -> list[int]:
         out: list[int] = []
-        stack = [self.root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             out.extend(node.value)
@@ -192,11 +202,11 @@ class RadixCache:
         """Sizes add up, keys and values align, lock counts match children's, no slot twice."""
         evictable = protected = count = 0
         seen: set[int] = set()
-        stack = [self.root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             count += 1
-            if node is not self.root:
+            if node.parent is not None:
                 if len(node.key) != len(node.value) or not node.key:
                     raise AssertionError("radix: node key/value length mismatch or empty edge")
                 if node.parent.children.get(node.key[0]) is not node:
@@ -237,7 +247,8 @@ class RadixCache:
         return upper
 
     def _is_evictable_leaf(self, node: _Node) -> bool:
-        return node.alive and node is not self.root and not node.children and node.lock_ref == 0
+        return (node.alive and node.parent is not None and not node.children
+                and node.lock_ref == 0)
 
     def _push_leaf(self, node: _Node) -> None:
         if self._is_evictable_leaf(node):
@@ -249,7 +260,7 @@ class RadixCache:
 
     def _rebuild_heap(self) -> None:
         self._heap = []
-        stack = [self.root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())

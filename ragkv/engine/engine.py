@@ -25,7 +25,7 @@ from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.runner import ModelRunner
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..prompt import ChunkedPrompt, PromptRules, parse_prompt
+from ..prompt import PromptRules, parse_prompt
 from ..sampling import SamplingParams, sample
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
@@ -115,8 +115,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        parsed = (prompt if isinstance(prompt, ChunkedPrompt)
-                  else parse_prompt(prompt, self.tokenizer, self.prompt_rules))
+        parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules)
         token_ids = parsed.token_ids
         self._validate(len(token_ids), params)
         if request_id is None:
@@ -150,6 +149,7 @@ class Engine:
             ))
         self._parents[request_id] = children
         for child in children:
+            child.kv.namespace = parsed.cache_salt or ""
             self.scheduler.add(child)
         return request_id
 
@@ -355,5 +355,7 @@ def _cache_layout(config: EngineConfig, mc, dtype: torch.dtype, device: torch.de
                 f"for the chunk cache), fewer than max_model_len={max_len}: raise "
                 "kv_cache_tokens or lower max_model_len or chunk_cache_tokens"
             )
+        logger.warning("max_model_len lowered to %d: the general KV region holds no more",
+                       general)
         max_len = general
     return CacheLayout(general_tokens=general, chunk_tokens=chunk, max_model_len=max_len)

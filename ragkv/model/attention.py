@@ -110,7 +110,7 @@ class TorchAttentionBackend:
                 ks, vs = k[qs:qs + ql], v[qs:qs + ql]
             else:
                 idx = meta.kv_indices[meta.kv_starts[i]:meta.kv_starts[i] + kl]
-                ks, vs = k_cache[idx], v_cache[idx]
+                ks, vs = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
             o = F.scaled_dot_product_attention(
                 q[qs:qs + ql].transpose(0, 1).unsqueeze(0),
                 ks.transpose(0, 1).unsqueeze(0),

@@ -62,7 +62,7 @@ class GatedMLP(nn.Module):
 
 _ACTIVATIONS = {
     "silu": F.silu,
-    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 SUPPORTED_ACTIVATIONS = tuple(_ACTIVATIONS)
