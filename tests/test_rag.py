@@ -468,3 +468,15 @@ def test_string_prompt_equals_tokenized_rag_prompt(separator, tiny, hf_model):
     assert by_strings.prompt_token_ids == by_text.prompt_token_ids
     assert (by_strings.metrics.num_chunk_hits, by_strings.metrics.num_chunk_misses) == (2, 0)
     assert by_strings.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
+def test_xxh3_chunk_hash_gives_the_same_reuse(llama):
+    """chunk_hash_algo='xxh3_128' keys entries differently but reuses them the same way."""
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_hash_algo="xxh3_128")
+    S = random_prompt(8, seed=130)
+    A, B = random_prompt(18, seed=131), random_prompt(11, seed=132)
+    q = random_prompt(5, seed=133)
+    run(llm, hf, [rag(S, [A, B], q)], ["MM"])
+    run(llm, hf, [rag(S, [B, A], q)], ["HH"])
+    assert len(llm.engine.chunk_cache.key("ns", (1,), (2,))) == 16

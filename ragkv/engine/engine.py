@@ -169,16 +169,19 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; returns an output for every request that progressed."""
+    def step(self, include_unfinished: bool = False) -> list[RequestOutput]:
+        """Run one scheduling step. Returns an output for every request that finished, and
+        with `include_unfinished` also for every request that got a new token (streaming);
+        without it no per-step detokenization is done."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
         logits = self.runner.execute(sched.works)
         self.scheduler.update(sched)
-        return self._postprocess(sched, logits)
+        return self._postprocess(sched, logits, include_unfinished)
 
-    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor,
+                     include_unfinished: bool) -> list[RequestOutput]:
         sampled = [w.request for w in sched.works if w.sample]
         touched: dict[str, None] = {}
         if sampled:
@@ -188,7 +191,11 @@ class Engine:
                 self._append_token(req, result.token_ids[j], result.token_logprobs[j],
                                    result.top_logprobs[j], now)
                 touched[req.parent_id] = None
-        return [self._output(pid) for pid in touched]
+        outputs = []
+        for pid in touched:
+            if include_unfinished or all(c.status.finished for c in self._parents[pid]):
+                outputs.append(self._output(pid))
+        return outputs
 
     def _append_token(self, req: Request, token: int, logprob: float | None,
                       top: tuple[list[int], list[float], int] | None, now: float) -> None:

@@ -31,6 +31,7 @@ class AttentionMetadata:
     q_starts: list[int]
     kv_starts: list[int]
     kv_indices: torch.Tensor  # all sequences' KV lists, concatenated (long)
+    kv_lists: list[list[int]]  # the same lists on the host, one per sequence
     write_slots: torch.Tensor  # [T] slot of each new token
     # True where a sequence's KV list is exactly its own new tokens (a fresh prefill): the
     # backend may then attend over the new K/V directly instead of gathering from the pool.
@@ -77,17 +78,16 @@ class TorchAttentionBackend:
         state.extend_seqs = [i for i, q in enumerate(meta.q_lens) if q != 1]
         device = meta.kv_indices.device
         if decode:
-            max_k = max(meta.kv_lens[i] for i in decode)
-            index = torch.zeros(len(decode), max_k, dtype=torch.long, device=device)
-            mask = torch.zeros(len(decode), max_k, dtype=torch.bool, device=device)
-            for row, i in enumerate(decode):
-                k, start = meta.kv_lens[i], meta.kv_starts[i]
-                index[row, :k] = meta.kv_indices[start:start + k]
-                mask[row, :k] = True
+            lens = [meta.kv_lens[i] for i in decode]
+            max_k = max(lens)
+            padded = [meta.kv_lists[i] + [0] * (max_k - n) for i, n in zip(decode, lens)]
+            state.decode_index = torch.tensor(padded, dtype=torch.long, device=device)
+            if min(lens) != max_k:
+                lengths = torch.tensor(lens, device=device)
+                mask = torch.arange(max_k, device=device)[None, :] < lengths[:, None]
+                state.decode_mask = mask[:, None, None, :]
             state.decode_rows = torch.tensor([meta.q_starts[i] for i in decode], device=device)
             state.all_decode = len(decode) == meta.num_seqs
-            state.decode_index = index
-            state.decode_mask = None if bool(mask.all()) else mask[:, None, None, :]
         for i in state.extend_seqs:
             q, k = meta.q_lens[i], meta.kv_lens[i]
             if q != k and (q, k) not in state.masks:
@@ -98,7 +98,7 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        k_cache, v_cache = pool.k[layer], pool.v[layer]
+        k_cache, v_cache = pool.k[layer], pool.v[layer]  # contiguous [slots, kv_heads, d]
         k_cache.index_copy_(0, meta.write_slots, k)
         v_cache.index_copy_(0, meta.write_slots, v)
         state: _TorchState = meta.backend_state
@@ -122,6 +122,8 @@ class TorchAttentionBackend:
             )
             out[qs:qs + ql] = o[0].transpose(0, 1)
         if state.decode_rows is not None:
+            # Gather from the contiguous per-layer views: index_select over a strided view
+            # of the whole pool falls back to a slow path.
             index = state.decode_index
             flat = index.view(-1)
             shape = (*index.shape, *k_cache.shape[1:])

@@ -38,17 +38,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj.forward(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
+        v = qkv[:, heads + kv_heads:]
+        if self.q_norm is None:
+            # q and k rotate together: one set of kernels for both (decode is op-bound).
+            qk = apply_rotary(qkv[:, :heads + kv_heads], cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q = apply_rotary(self.q_norm.forward(qkv[:, :heads]), cos, sin)
+            k = apply_rotary(self.k_norm.forward(qkv[:, heads:heads + kv_heads]), cos, sin)
         out = backend.forward(q, k, v, layer, pool, meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj.forward(out.reshape(-1, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -87,13 +88,13 @@ class CausalLM(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
         h = self.embed_tokens[input_ids]
+        # Sub-modules are called through .forward: no hooks are used, and skipping
+        # nn.Module.__call__ matters when a decode step is a few hundred tiny ops.
         for i, layer in enumerate(self.layers):
-            residual = h
-            h = layer.self_attn(layer.input_layernorm(h), cos, sin, i, pool, meta, backend)
-            h = residual + h
-            residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h[logits_indices])
+            attn_in = layer.input_layernorm.forward(h)
+            h = h + layer.self_attn.forward(attn_in, cos, sin, i, pool, meta, backend)
+            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
+        h = self.norm.forward(h[logits_indices])
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return torch.nn.functional.linear(h, head).float()
 

@@ -54,6 +54,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_starts=kv_starts,
             kv_indices=torch.tensor(kv_indices, dtype=torch.long, device=dev),
+            kv_lists=[w.kv_indices for w in works],
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
             self_only=self_only, seq_lens=seq_lens,
         )
