@@ -80,7 +80,7 @@ class TorchAttentionBackend:
         if decode:
             lens = [meta.kv_lens[i] for i in decode]
             max_k = max(lens)
-            padded = [meta.kv_lists[i] + [0] * (max_k - n) for i, n in zip(decode, lens)]
+            padded = [meta.kv_lists[i] + [0] * (max_k - meta.kv_lens[i]) for i in decode]
             state.decode_index = torch.tensor(padded, dtype=torch.long, device=device)
             if min(lens) != max_k:
                 lengths = torch.tensor(lens, device=device)
