@@ -1,4 +1,4 @@
-"""Command line: `ragkv generate` (more subcommands join as they are built)."""
+"""Command line: `ragkv serve | generate | demo`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,14 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=True)
+    parser.add_argument("--enable-chunk-cache", action=argparse.BooleanOptionalAction,
+                        default=True)
+    parser.add_argument("--chunk-separator", default="##",
+                        help="splits prompts into system ## chunks ## question")
+    parser.add_argument("--chunk-cache-tokens", type=int, default=None)
+    parser.add_argument("--chunk-cache-fraction", type=float, default=0.3)
+    parser.add_argument("--max-chunk-tokens", type=int, default=4096)
+    parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -59,9 +67,48 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from .server.serve import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    serve(config, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+          log_level=args.log_level)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.model, num_requests=args.num_requests, max_tokens=args.max_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragkv", description="RAG-native LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv.add_argument("model", help="local HF directory, or builtin:tiny / builtin:small")
+    add_engine_args(srv, model_flag=False)
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to bind (default loopback only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None,
+                     help="require 'Authorization: Bearer KEY' on /v1 (or set RAGKV_API_KEY)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients must send (default: MODEL as given)")
+    srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(func=_serve)
+
+    demo = sub.add_parser("demo", help="RAG workload: cold vs warm TTFT, checked for exactness")
+    demo.add_argument("--model", default="builtin:small")
+    demo.add_argument("--num-requests", type=int, default=8)
+    demo.add_argument("--max-tokens", type=int, default=12)
+    demo.set_defaults(func=_demo)
 
     gen = sub.add_parser("generate", help="generate completions for prompts offline")
     add_engine_args(gen)

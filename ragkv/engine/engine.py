@@ -60,12 +60,14 @@ class EngineStats:
     num_waiting: int
     kv_capacity_tokens: int
     kv_free_tokens: int
+    kv_available_tokens: int  # free plus held only by unlocked prefix-cache entries
     prefix_queried_tokens: int
     prefix_hit_tokens: int
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.kv_free_tokens / self.kv_capacity_tokens
+        """Fraction of the general region held by requests (reclaimable cache excluded)."""
+        return 1.0 - self.kv_available_tokens / self.kv_capacity_tokens
 
 
 class Engine:
@@ -266,7 +268,8 @@ class Engine:
                 text=c.text if c.status.finished else self._detokenize(c, c.output_token_ids),
                 token_ids=list(c.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob,
-                logprobs=c.logprobs,
+                # A copy: the engine keeps appending while a server thread reads it.
+                logprobs=None if c.logprobs is None else list(c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -285,6 +288,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             kv_capacity_tokens=self.kv.capacity,
             kv_free_tokens=self.kv.allocator.num_free,
+            kv_available_tokens=self.kv.num_available(),
             prefix_queried_tokens=radix.queried_tokens if radix else 0,
             prefix_hit_tokens=radix.hit_tokens if radix else 0,
         )

@@ -1,0 +1,35 @@
+"""The command line, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def ragkv(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ragkv.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_json_rag_prompt():
+    r = ragkv("generate", "--model", "builtin:tiny", "--json", "--max-tokens", "5",
+              "--prompt", "Sys ## doc one ## doc two ## question?", "--prompt", "plain")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == ["Sys ## doc one ## doc two ## question?", "plain"]
+    assert all(len(x["token_ids"]) <= 5 and x["finish_reason"] for x in lines)
+
+
+def test_generate_bad_model_is_a_clear_error():
+    r = ragkv("generate", "--model", "/does/not/exist", "--prompt", "x")
+    assert r.returncode == 2
+    assert "does not exist" in r.stderr
+
+
+def test_demo_checks_exactness():
+    r = ragkv("demo", "--model", "builtin:tiny", "--num-requests", "4", "--max-tokens", "4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "RANDOM weights" in r.stdout
+    assert "4/4 answers identical token for token" in r.stdout
+    assert "hit rate" in r.stdout and "speedup" in r.stdout
