@@ -22,16 +22,6 @@ import time
 import torch
 
 
-def prefill_flops(mc, query_kv_lens: list[int]) -> float:
-    """Forward FLOPs of the given query tokens (each with its KV length); LM head once."""
-    d, h, kvh, hd = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
-    attn_proj = 2 * d * (h * hd + 2 * kvh * hd) + 2 * h * hd * d  # qkv and o
-    per_layer_linear = attn_proj + 3 * 2 * d * mc.intermediate_size  # + gate, up, down
-    linear = mc.num_layers * per_layer_linear * len(query_kv_lens)
-    attention = mc.num_layers * sum(4 * h * hd * k for k in query_kv_lens)
-    return linear + attention + 2 * d * mc.vocab_size
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:small")
@@ -45,6 +35,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from ragkv import LLM, RAGPrompt, SamplingParams
+    from ragkv.bench.flops import rag_flop_bound
+    from ragkv.bench.offline import reference_inputs
+    from ragkv.bench.workload import BenchRequest
 
     llm = LLM(args.model, max_num_batched_tokens=4096)
     mc = llm.engine.model_config
@@ -82,10 +75,7 @@ def main() -> None:
 
     s, q, n, length = args.system_tokens, args.question_tokens, args.num_docs, args.doc_tokens
     context = s + n * length
-    full_kv = (list(range(1, s + 1)) + [s + t for _ in range(n) for t in range(1, length + 1)]
-               + [context + t for t in range(1, q + 1)])
-    question_kv = [context + t for t in range(1, q + 1)]
-    bound = prefill_flops(mc, full_kv) / prefill_flops(mc, question_kv)
+    bound = rag_flop_bound(mc, s, [length] * n, q)
     speedup = t_full / t_warm
     results = {
         "prompt_tokens": context + q, "full_prefill_ttft_s": t_full, "warm_ttft_s": t_warm,
@@ -108,7 +98,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model),
                                                   dtype=torch.float32,
                                                   attn_implementation="sdpa").eval()
-        ids, positions, mask = _reference_inputs(system, docs, tokens(q))
+        ids, positions, mask = reference_inputs(BenchRequest(system, [], docs, tokens(q)))
 
         def hf_run() -> float:
             start = time.perf_counter()
@@ -125,29 +115,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
-
-
-def _reference_inputs(system, docs, question):
-    """input ids, position ids and the 4-D additive mask of DESIGN §1 for HF."""
-    s, m = len(system), max(len(d) for d in docs)
-    ids = system + [t for d in docs for t in d] + question
-    total = len(ids)
-    visible = torch.zeros(total, total, dtype=torch.bool)
-    visible[:s, :s] = torch.ones(s, s, dtype=torch.bool).tril()
-    positions = list(range(s))
-    start = s
-    for d in docs:
-        n = len(d)
-        visible[start:start + n, :s] = True
-        visible[start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
-        positions += range(s, s + n)
-        start += n
-    q = len(question)
-    visible[start:, :start] = True
-    visible[start:, start:] = torch.ones(q, q, dtype=torch.bool).tril()
-    positions += range(s + m, s + m + q)
-    mask = torch.zeros(total, total).masked_fill(~visible, float("-inf"))
-    return torch.tensor([ids]), torch.tensor([positions]), mask[None, None]
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Command line: `ragkv serve | generate | demo`."""
+"""Command line: `ragkv serve | generate | bench | demo`."""
 
 from __future__ import annotations
 
@@ -80,6 +80,40 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench.workload import WorkloadConfig
+
+    workload = WorkloadConfig(
+        num_docs=args.num_docs, doc_tokens=args.doc_tokens,
+        docs_per_request=args.docs_per_request, zipf=args.zipf,
+        system_tokens=args.system_tokens, question_tokens=args.question_tokens,
+        output_tokens=args.output_tokens, num_requests=args.num_requests, seed=args.seed)
+    progress = not args.no_progress
+    if args.url:
+        from .bench.serving import format_serving, run_serving
+        from .model.loader import load_tokenizer, resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(args.tokenizer or args.model))
+        results = run_serving(args.url, workload, tokenizer, args.concurrency,
+                              args.request_rate, args.api_key, progress)
+        print(format_serving(results))
+    else:
+        from .bench.offline import format_table, plot_ttft, run_offline
+
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        results = run_offline(args.model, modes, workload, engine_kwargs(args),
+                              args.compare_hf, progress)
+        print(format_table(results))
+        if args.plot:
+            plot_ttft(results, args.plot)
+            print(f"plot written to {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"figures written to {args.json}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -103,6 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="RAG benchmark: offline modes, or a running server")
+    add_engine_args(bench)
+    bench.add_argument("--modes", default="none,prefix,chunk",
+                       help="offline: comma-separated none, prefix, chunk")
+    bench.add_argument("--num-docs", type=int, default=16)
+    bench.add_argument("--doc-tokens", type=int, default=512)
+    bench.add_argument("--docs-per-request", type=int, default=4)
+    bench.add_argument("--zipf", type=float, default=1.1, help="document popularity exponent")
+    bench.add_argument("--system-tokens", type=int, default=64)
+    bench.add_argument("--question-tokens", type=int, default=32)
+    bench.add_argument("--output-tokens", type=int, default=8)
+    bench.add_argument("--num-requests", type=int, default=40)
+    bench.add_argument("--compare-hf", action="store_true",
+                       help="offline: also time HF transformers prefilling the same prompts")
+    bench.add_argument("--json", default=None, help="write every figure to this file")
+    bench.add_argument("--plot", default=None, help="offline: TTFT per mode as a PNG")
+    bench.add_argument("--url", default=None,
+                       help="serving mode: base URL of a running server, e.g. "
+                            "http://127.0.0.1:8000")
+    bench.add_argument("--concurrency", type=int, default=8)
+    bench.add_argument("--request-rate", type=float, default=float("inf"),
+                       help="serving mode: requests per second (default: all at once)")
+    bench.add_argument("--api-key", default=None)
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="RAG workload: cold vs warm TTFT, checked for exactness")
     demo.add_argument("--model", default="builtin:small")

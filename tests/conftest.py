@@ -4,8 +4,13 @@ reference."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -97,3 +102,39 @@ def hf_model():
 def random_prompt(n: int, seed: int, low: int = 10) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(low, VOCAB, (n,), generator=gen).tolist()
+
+
+@contextlib.contextmanager
+def running_server(model: str, *args: str, env: dict | None = None):
+    """A real `ragkv serve` process on a free loopback port; yields its base URL."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ragkv.cli", "serve", model, "--port", str(port),
+         "--log-level", "warning", *args],
+        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not come up")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from conftest import running_server
 from openai import OpenAI
 
 from ragkv import LLM, RAGPrompt, SamplingParams
@@ -24,41 +21,11 @@ DOCS_PROMPT = ("You answer from the documents. ## Bread needs flour, water and s
                "## Rye bread is dense and dark. ## Which bread is denser?")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = {**os.environ, "RAGKV_API_KEY": KEY}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ragkv.cli", "serve", MODEL, "--port", str(port),
-         "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", "200000",
-         "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_server(MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes",
+                        "200000", env={"RAGKV_API_KEY": KEY}) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

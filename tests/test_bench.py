@@ -1,0 +1,87 @@
+"""`ragkv bench`: the workload generator, the offline modes and the serving mode, checked for
+consistency (hit rates agree with the cache statistics, counts add up)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import running_server
+
+from ragkv.bench.workload import WorkloadConfig, make_workload
+
+SHAPE = ["--num-docs", "5", "--doc-tokens", "24", "--docs-per-request", "2",
+         "--system-tokens", "8", "--question-tokens", "4", "--output-tokens", "3",
+         "--num-requests", "6"]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ragkv.cli", "bench", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_workload_is_deterministic_zipf_and_distinct():
+    config = WorkloadConfig(num_docs=8, doc_tokens=5, docs_per_request=3, num_requests=400,
+                            zipf=1.1, seed=3)
+    a, b = make_workload(config, 100), make_workload(config, 100)
+    assert a == b
+    assert make_workload(WorkloadConfig(**{**config.to_dict(), "seed": 4}), 100) != a
+    counts = collections.Counter(d for r in a for d in r.doc_ids)
+    assert counts[0] > counts[3] > counts[7]  # popularity falls with rank
+    for r in a:
+        assert len(set(r.doc_ids)) == 3 and len(r.chunks) == 3
+        assert all(len(c) == 5 for c in r.chunks) and len(r.question) == 32
+        assert r.system is a[0].system and all(10 <= t < 100 for t in r.token_ids)
+    with pytest.raises(ValueError, match="docs_per_request"):
+        WorkloadConfig(num_docs=2, docs_per_request=3)
+
+
+def test_offline_modes_are_consistent(tmp_path):
+    out = tmp_path / "bench.json"
+    r = bench("--model", "builtin:tiny", *SHAPE, "--json", str(out), "--compare-hf")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "FLOP bound" in r.stdout and "p50 TTFT none / chunk" in r.stdout
+    res = json.loads(out.read_text())
+    assert set(res["modes"]) == {"none", "prefix", "chunk", "hf"}
+    for mode in ("none", "prefix", "chunk"):
+        f = res["modes"][mode]
+        assert f["requests"] == 6 and f["output_tokens"] == 6 * 3
+        assert f["prompt_tokens"] == 6 * (8 + 2 * 24 + 4)  # token-level: no BOS added
+        pc, cc = f["prefix_cache"], f["chunk_cache"]
+        assert pc["hit_tokens"] <= pc["queried_tokens"]
+        assert pc["hit_rate"] == pytest.approx(pc["hit_tokens"] / pc["queried_tokens"]
+                                               if pc["queried_tokens"] else 0.0)
+        assert cc["lookups"] == cc["hits"] + cc["misses"]
+        assert cc["hits"] == cc["request_hits"] and cc["misses"] == cc["request_misses"]
+        assert f["ttft_s"]["p50"] <= f["ttft_s"]["p90"] <= f["ttft_s"]["p99"]
+    none, prefix, chunk = (res["modes"][m] for m in ("none", "prefix", "chunk"))
+    assert none["prefix_cache"]["queried_tokens"] == 0 and none["chunk_cache"]["lookups"] == 0
+    assert none["cached_tokens"] == 0
+    assert prefix["chunk_cache"]["lookups"] == 0
+    assert prefix["cached_tokens"] == prefix["prefix_cache"]["hit_tokens"]
+    assert chunk["chunk_cache"]["lookups"] == 6 * 2
+    assert chunk["chunk_cache"]["misses"] <= 5  # each of the 5 documents is computed once
+    assert chunk["cached_tokens"] == (chunk["prefix_cache"]["hit_tokens"]
+                                      + chunk["chunk_cache"]["hit_tokens"])
+    assert chunk["chunk_cache"]["hit_rate"] == pytest.approx(
+        chunk["chunk_cache"]["hits"] / chunk["chunk_cache"]["lookups"])
+    assert res["flop_bound"] > 1 and res["modes"]["hf"]["requests"] == 6
+
+
+def test_serving_mode_against_a_running_server(tmp_path):
+    out = tmp_path / "serving.json"
+    with running_server("builtin:tiny", "--api-key", "k1") as url:
+        r = bench("--url", url, "--api-key", "k1", "--model", "builtin:tiny", *SHAPE,
+                  "--concurrency", "3", "--request-rate", "50", "--json", str(out))
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = json.loads(out.read_text())
+        assert res["completed"] == 6 and res["failed"] == 0, res["errors"]
+        assert res["output_tokens"] == 6 * 3
+        assert 0 < res["ttft_s"]["p50"] <= res["e2e_s"]["p50"]
+        assert res["itl_s"]["mean"] > 0 and res["request_throughput"] > 0
+        assert res["cached_tokens"] > 0  # documents recur, so the server reuses them
+        wrong = bench("--url", url, "--api-key", "wrong", "--model", "builtin:tiny", *SHAPE)
+        assert wrong.returncode != 0 or "failed 6" in wrong.stdout
