@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .config import EngineConfig
+from .config import DEFAULT_MAX_BODY_BYTES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -28,12 +28,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         default=True)
     parser.add_argument("--enable-chunk-cache", action=argparse.BooleanOptionalAction,
                         default=True)
-    parser.add_argument("--chunk-separator", default="##",
-                        help="splits prompts into system ## chunks ## question")
+    parser.add_argument("--chunk-separator", default="##", type=lambda v: v or None,
+                        help="splits prompts into system ## chunks ## question ('' = never)")
     parser.add_argument("--chunk-cache-tokens", type=int, default=None)
     parser.add_argument("--chunk-cache-fraction", type=float, default=0.3)
     parser.add_argument("--max-chunk-tokens", type=int, default=4096)
     parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error")
+    parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--max-logprobs", type=int, default=20)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -124,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ragkv", description="RAG-native LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     srv.add_argument("model", help="local HF directory, or builtin:tiny / builtin:small")
     add_engine_args(srv, model_flag=False)
     srv.add_argument("--host", default="127.0.0.1",
@@ -134,11 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require 'Authorization: Bearer KEY' on /v1 (or set RAGKV_API_KEY)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients must send (default: MODEL as given)")
-    srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="RAG benchmark: offline modes, or a running server")
+    bench = sub.add_parser("bench", help="RAG benchmark: offline modes, or a running server",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(bench)
     bench.add_argument("--modes", default="none,prefix,chunk",
                        help="offline: comma-separated none, prefix, chunk")
@@ -164,13 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
 
-    demo = sub.add_parser("demo", help="RAG workload: cold vs warm TTFT, checked for exactness")
+    demo = sub.add_parser("demo", help="RAG workload: cold vs warm TTFT, checked for exactness",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     demo.add_argument("--model", default="builtin:small")
     demo.add_argument("--num-requests", type=int, default=8)
     demo.add_argument("--max-tokens", type=int, default=12)
     demo.set_defaults(func=_demo)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts offline")
+    gen = sub.add_parser("generate", help="generate completions for prompts offline",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt (repeat the flag for a batch)")

@@ -24,6 +24,8 @@ _DTYPES = {
 # When neither kv_cache_tokens nor kv_cache_memory_bytes is given on CPU, the pool takes this
 # much memory. torch.empty does not touch the pages, so an unused pool costs little.
 DEFAULT_CPU_KV_BYTES = 2 << 30
+# Largest HTTP request body the server accepts by default.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
 # Fraction of free accelerator memory (after the weights are loaded) given to the pool.
 DEFAULT_GPU_KV_FRACTION = 0.85
 

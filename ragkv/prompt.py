@@ -147,7 +147,8 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
             longest = max(len(c) for c in chunks)
             raise ValueError(
                 f"a chunk has {longest} tokens, more than max_chunk_tokens="
-                f"{rules.max_chunk_tokens} (set oversize_chunk='split' to split it)"
+                f"{rules.max_chunk_tokens} (oversize_chunk='split', or --oversize-chunk split, "
+                "splits it instead)"
             )
         step = rules.max_chunk_tokens
         chunks = [c[i:i + step] for c in chunks for i in range(0, len(c), step)]

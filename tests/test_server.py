@@ -39,7 +39,8 @@ def offline() -> LLM:
 
 
 def integrity(base: str) -> dict:
-    report = httpx.get(f"{base}/debug/integrity", timeout=30).json()
+    report = httpx.get(f"{base}/debug/integrity", timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}"}).json()
     assert report["ok"], report
     return report
 
@@ -254,3 +255,27 @@ def test_disconnect_mid_stream_aborts_and_frees_slots(server):
     assert report["kv_capacity_tokens"] == before["kv_capacity_tokens"]
     assert metric(server, "ragkv:generation_tokens_total") - generated_before < 1900
     assert metric(server, "ragkv:num_requests_running") == 0
+
+
+def test_disconnect_during_non_streaming_request_aborts_it(server):
+    generated_before = metric(server, "ragkv:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 1900, "n": 4,
+            "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.0,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        report = integrity(server)
+        if report["num_running"] == 0 and report["num_waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert report["num_running"] == 0
+    assert report["kv_available_tokens"] == report["kv_capacity_tokens"]
+    assert metric(server, "ragkv:generation_tokens_total") - generated_before < 4 * 1900
+
+
+def test_debug_endpoint_and_unknown_routes_follow_the_api_key_and_error_format(server):
+    assert httpx.get(f"{server}/debug/integrity").status_code == 401
+    r = httpx.get(f"{server}/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "message" in r.json()["error"]

@@ -250,6 +250,10 @@ class Engine:
         req.metrics.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request (by its parent id) is queued or running."""
+        return request_id in self._parents
+
     def abort_request(self, request_id: str) -> None:
         for req in self._parents.pop(request_id, []):
             if not req.status.finished:

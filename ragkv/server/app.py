@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -13,14 +14,14 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
+from ..config import DEFAULT_MAX_BODY_BYTES
 from ..outputs import RequestOutput
 from ..prompt import split_chat_prompt
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, EngineDeadError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
-
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +36,11 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
     tokenizer = engine.engine.tokenizer
     separator = engine.engine.config.chunk_separator
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1"):
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {config.api_key}":
-                return _error(ErrorResponse(401, "invalid or missing API key",
-                                            "authentication_error"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_body_bytes:
-            return _error(ErrorResponse(413, f"request body over {config.max_body_bytes} bytes"))
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(ErrorResponse(exc.status_code, str(exc.detail)))
+
+    app.add_middleware(_Guard, config=config)
 
     @app.get("/health")
     async def health() -> Response:
@@ -87,13 +82,14 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             body = await _parse(request, CompletionRequest, config)
             params = body.sampling_params()
             if body.echo or body.suffix:
-                raise ErrorResponse(400, "echo and suffix are not supported", param="echo")
+                raise ErrorResponse(400, "echo and suffix are not supported",
+                                    param="echo" if body.echo else "suffix")
             prompts = _completion_prompts(body)
         except ErrorResponse as e:
             return _error(e)
         except ValueError as e:
             return _error(ErrorResponse(400, str(e)))
-        return await _respond(body, params, prompts, chat=False)
+        return await _respond(request, body, params, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -107,18 +103,20 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             return _error(e)
         except ValueError as e:
             return _error(ErrorResponse(400, str(e)))
-        return await _respond(body, params, [prompt], chat=True)
+        return await _respond(request, body, params, [prompt], chat=True)
 
-    async def _respond(body, params, prompts: list, chat: bool):
+    async def _respond(request: Request, body, params, prompts: list, chat: bool):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         streams: list[tuple[str, AsyncIterator[RequestOutput]]] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{request_id}-{i}"
                 streams.append((rid, await engine.submit(prompt, params, rid)))
-        except ValueError as e:
+        except (ValueError, EngineDeadError) as e:
             for rid, _ in streams:
                 engine.abort(rid)
+            if isinstance(e, EngineDeadError):
+                return _error(ErrorResponse(503, str(e), "server_error"))
             return _error(ErrorResponse(400, str(e)))
         formatter = _Formatter(request_id, config.model_name, chat, params, tokenizer)
         if body.stream:
@@ -126,6 +124,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             return StreamingResponse(_stream(engine, streams, formatter, include_usage),
                                      media_type="text/event-stream")
         finals: list[RequestOutput] = []
+        watcher = asyncio.create_task(_abort_on_disconnect(request, engine, streams))
         try:
             for _, outputs in streams:
                 last = None
@@ -136,15 +135,62 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             for rid, _ in streams:
                 engine.abort(rid)
             return _error(ErrorResponse(500, str(e), "server_error"))
+        finally:
+            watcher.cancel()
+        if any(out is None or not out.finished for out in finals):
+            return _error(ErrorResponse(499, "client disconnected", "client_closed"))
         return JSONResponse(formatter.full(finals))
 
     return app
 
 
+class _Guard:
+    """API key on /v1 and /debug, and the declared body size, checked before routing. Plain
+    ASGI rather than FastAPI's http middleware, which hides client disconnects from the
+    handlers behind it."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            error = self._check(scope)
+            if error is not None:
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, scope) -> ErrorResponse | None:
+        headers = dict(scope.get("headers") or [])
+        path = scope.get("path", "")
+        key = self.config.api_key
+        if key and (path.startswith("/v1") or path.startswith("/debug")):
+            auth = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(auth, f"Bearer {key}".encode()):
+                return ErrorResponse(401, "invalid or missing API key", "authentication_error")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.config.max_body_bytes:
+            return ErrorResponse(413, f"request body over {self.config.max_body_bytes} bytes")
+        return None
+
+
+async def _abort_on_disconnect(request: Request, engine: AsyncEngine, streams: list) -> None:
+    """A non-streaming response has nobody to notice a client leaving: poll for it."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    for rid, _ in streams:
+        engine.abort(rid)
+
+
 async def _parse(request: Request, model: type[BaseModel], config: ServerConfig):
-    raw = await request.body()
-    if len(raw) > config.max_body_bytes:
-        raise ErrorResponse(413, f"request body over {config.max_body_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():  # bounded even without a Content-Length
+        size += len(chunk)
+        if size > config.max_body_bytes:
+            raise ErrorResponse(413, f"request body over {config.max_body_bytes} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -155,11 +201,10 @@ async def _parse(request: Request, model: type[BaseModel], config: ServerConfig)
         body = model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = str(first["loc"][0]) if first["loc"] else "body"  # not pydantic's union path
         raise ErrorResponse(400, f"invalid field {where}: {first['msg']}", param=where) from None
     if body.model != config.model_name:
-        raise ErrorResponse(404, f"The model `{body.model}` does not exist.",
-                            "NotFoundError", param="model")
+        raise ErrorResponse(404, f"The model `{body.model}` does not exist.", param="model")
     return body
 
 
@@ -329,10 +374,14 @@ class _Formatter:
                     ],
                 })
             return {"content": content}
-        tokens, token_logprobs, tops = [], [], []
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = 0
         for tid, entry in zip(token_ids, logprobs, strict=False):
-            tokens.append(decode([tid]))
+            token = decode([tid])
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
             token_logprobs.append(entry[tid].logprob)
             tops.append({decode([t]): lp.logprob for t, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": []}
+                "text_offset": offsets}

@@ -38,7 +38,9 @@ class Metrics:
                                             "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("ragkv:prefix_cache_hits",
                                          "Tokens found in the prefix cache.")
-        self.prompt_tokens = counter("ragkv:prompt_tokens", "Prompt tokens of accepted requests.")
+        self.prompt_tokens = counter("ragkv:prompt_tokens",
+                                     "Prompt tokens processed (counted at a request's first "
+                                     "token).")
         self.generation_tokens = counter("ragkv:generation_tokens", "Generated tokens.")
         self.chunk_cache_usage = gauge("ragkv:chunk_cache_usage_perc",
                                        "Fraction of the chunk-cache region in use (0-1).")
@@ -69,6 +71,10 @@ class Metrics:
         self.kv_cache_usage.set(stats.kv_usage)
         self.num_running.set(stats.num_running)
         self.num_waiting.set(stats.num_waiting)
+        if not outputs and self._progress:
+            # Aborted requests never send a finished output: forget those the engine dropped.
+            for key in [k for k in self._progress if not engine.has_request(k[0])]:
+                del self._progress[key]
         for out in outputs:
             now = out.metrics.last_token_time or 0.0
             for completion in out.outputs:

@@ -102,6 +102,9 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[str] | None = None
 
     def sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ErrorResponse(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, top)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 
-from ..config import EngineConfig
+from ..config import DEFAULT_MAX_BODY_BYTES, EngineConfig
 from ..engine.engine import Engine
-from .app import DEFAULT_MAX_BODY_BYTES, ServerConfig, build_app
+from .app import ServerConfig, build_app
 from .async_engine import AsyncEngine
 from .metrics import Metrics
 
