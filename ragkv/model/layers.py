@@ -35,10 +35,10 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-# On CPU, BLAS's `x @ W.T` path is slow for 2-4 rows (measured 2-3x slower than `W @ x.T`
-# for the same product on the project's machine; see docs/benchmarks.md), which is exactly the
-# shape of small-batch decode.
-_SMALL_BATCH_ROWS = range(2, 5)
+# On CPU, BLAS's `x @ W.T` path is slow for a few rows: `W @ x.T` computes the same product
+# 2-3x faster at 2-4 rows and ~10% faster end to end at batch 8-16 decode on the project's
+# machine (docs/benchmarks.md); from a few dozen rows on `x @ W.T` is as fast or faster.
+_SMALL_BATCH_ROWS = range(2, 33)
 
 
 class Linear(nn.Module):
