@@ -27,6 +27,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def _summary(ragkv: list[float], hf: list[float]) -> tuple[float, float, float]:
+    """Medians of both sides and the median of the per-pair ratios ragkv / HF."""
+    ratio = statistics.median(a / b for a, b in zip(ragkv, hf, strict=True))
+    return statistics.median(ragkv), statistics.median(hf), ratio
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:small")
@@ -71,8 +77,7 @@ def main() -> None:
     for _ in range(args.repeats):
         r_times.append(_timed(ragkv_prefill))
         h_times.append(_timed(hf_prefill))
-    r, h = statistics.median(r_times), statistics.median(h_times)
-    ratio = statistics.median(a / b for a, b in zip(r_times, h_times, strict=True))
+    r, h, ratio = _summary(r_times, h_times)
     results.update(prefill_ragkv_s=r, prefill_hf_s=h, prefill_ratio=ratio)
     print(f"prefill {args.prompt_tokens} tokens: ragkv {r * 1000:.0f} ms, HF sdpa "
           f"{h * 1000:.0f} ms, ratio ragkv/HF = {ratio:.3f} (target <= 1.1)")
@@ -99,8 +104,7 @@ def main() -> None:
         for _ in range(args.repeats):
             r_rates.append(rate(ragkv_run))
             h_rates.append(rate(hf_run))
-        r, h = statistics.median(r_rates), statistics.median(h_rates)
-        ratio = statistics.median(a / b for a, b in zip(r_rates, h_rates, strict=True))
+        r, h, ratio = _summary(r_rates, h_rates)
         results.update({f"decode_bs{batch}_ragkv_tok_s": r, f"decode_bs{batch}_hf_tok_s": h,
                         f"decode_bs{batch}_ratio": ratio})
         print(f"decode batch {batch}: ragkv {r:.1f} tok/s, HF generate {h:.1f} tok/s, "

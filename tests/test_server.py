@@ -45,6 +45,17 @@ def integrity(base: str) -> dict:
     return report
 
 
+def wait_idle(base: str, timeout: float = 30) -> dict:
+    """The integrity report once nothing runs or waits (or when the timeout is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = integrity(base)
+        idle = report["num_running"] == 0 and report["num_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return report
+        time.sleep(0.2)
+
+
 def metric(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=10).text
     match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M)
@@ -243,12 +254,7 @@ def test_disconnect_mid_stream_aborts_and_frees_slots(server):
                 lines += 1
             if lines >= 3:
                 break  # leave mid-stream: the connection closes here
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        report = integrity(server)
-        if report["num_running"] == 0 and report["num_waiting"] == 0:
-            break
-        time.sleep(0.2)
+    report = wait_idle(server)
     assert report["num_running"] == 0 and report["num_waiting"] == 0
     # Every general slot is free or only held by the reusable prefix cache, as before.
     assert report["kv_available_tokens"] == report["kv_capacity_tokens"]
@@ -264,12 +270,7 @@ def test_disconnect_during_non_streaming_request_aborts_it(server):
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server}/v1/completions", json=body, timeout=1.0,
                    headers={"Authorization": f"Bearer {KEY}"})
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        report = integrity(server)
-        if report["num_running"] == 0 and report["num_waiting"] == 0:
-            break
-        time.sleep(0.2)
+    report = wait_idle(server)
     assert report["num_running"] == 0
     assert report["kv_available_tokens"] == report["kv_capacity_tokens"]
     assert metric(server, "ragkv:generation_tokens_total") - generated_before < 4 * 1900
