@@ -59,8 +59,7 @@ def test_evict_is_lru():
 def test_manager_cache_dedupes_and_accounts():
     alloc = SlotAllocator(1, 65)
     kv = KVCacheManager(alloc, enable_prefix_caching=True)
-    a, b = SeqKV(), SeqKV()
-    assert kv.extend(a, 10) and kv.extend(b, 10)
+    a, b = SeqKV(slots=kv.allocate(10)), SeqKV(slots=kv.allocate(10))
     tokens = list(range(10))
     kv.cache(a, tokens)
     kv.cache(b, tokens)  # b's slots were duplicates: freed, b now shares a's

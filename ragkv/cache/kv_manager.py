@@ -68,13 +68,6 @@ class KVCacheManager:
             slots = self.allocator.alloc(n)
         return slots
 
-    def extend(self, seq: SeqKV, n: int) -> bool:
-        slots = self.allocate(n)
-        if slots is None:
-            return False
-        seq.slots.extend(slots)
-        return True
-
     def cache(self, seq: SeqKV, tokens: list[int]) -> None:
         """Hand the KV of `tokens` (the sequence's first len(tokens) tokens, all computed) to the
         radix tree, keep the sequence's reference to it locked, and drop duplicate slots."""

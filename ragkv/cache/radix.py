@@ -54,16 +54,6 @@ class MatchResult:
         return len(self.slots)
 
 
-@dataclass(slots=True, frozen=True)
-class RadixStats:
-    queried_tokens: int
-    hit_tokens: int
-    evicted_tokens: int
-    cached_tokens: int
-    evictable_tokens: int
-    protected_tokens: int
-
-
 class RadixCache:
     def __init__(self, allocator: SlotAllocator) -> None:
         self.allocator = allocator
@@ -184,10 +174,6 @@ class RadixCache:
     @property
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
-
-    def stats(self) -> RadixStats:
-        return RadixStats(self.queried_tokens, self.hit_tokens, self.evicted_tokens,
-                          self.total_size, self.evictable_size, self.protected_size)
 
     def all_slots(self) -> list[int]:
         out: list[int] = []

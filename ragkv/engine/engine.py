@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
-from ..cache.kv_manager import KVCacheManager
+from ..cache.kv_manager import KVCacheManager, SeqKV
 from ..cache.kv_pool import KVPool, SlotAllocator
 from ..config import (
     DEFAULT_CPU_KV_BYTES,
@@ -148,10 +148,10 @@ class Engine:
                 max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
                 metrics=RequestMetrics(arrival_time=arrival), layout=layout,
                 system=system, chunks=chunks, namespace=namespace,
+                kv=SeqKV(namespace=parsed.cache_salt or ""),
             ))
         self._parents[request_id] = children
         for child in children:
-            child.kv.namespace = parsed.cache_salt or ""
             self.scheduler.add(child)
         return request_id
 

@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.chunk_cache import ChunkCache, ChunkEntry
-from ..cache.kv_manager import KVCacheManager, SeqKV
+from ..cache.kv_manager import KVCacheManager
 from .request import ChunkBinding, Request, RequestStatus
 
 
@@ -47,10 +47,6 @@ class SchedulerOutput:
     completing: list[ChunkEntry] = field(default_factory=list)
     # Flat token count each scheduled request will have computed after this step.
     progress: dict[int, tuple[Request, int]] = field(default_factory=dict)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(w.token_ids) for w in self.works)
 
     @property
     def empty(self) -> bool:
@@ -226,9 +222,6 @@ class Scheduler:
 
     def live(self) -> list[Request]:
         return self.running + [r for r in self.waiting if r.kv.slots]
-
-    def live_kv(self) -> list[SeqKV]:
-        return [r.kv for r in self.live()]
 
     def _release(self, req: Request) -> None:
         for i, binding in enumerate(req.bindings):

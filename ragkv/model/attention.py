@@ -29,9 +29,7 @@ class AttentionMetadata:
     q_lens: list[int]
     kv_lens: list[int]
     q_starts: list[int]
-    kv_starts: list[int]
-    kv_indices: torch.Tensor  # all sequences' KV lists, concatenated (long)
-    kv_lists: list[list[int]]  # the same lists on the host, one per sequence
+    kv_lists: list[list[int]]  # each sequence's KV slot list, on the host
     write_slots: torch.Tensor  # [T] slot of each new token
     # True where a sequence's KV list is exactly its own new tokens (a fresh prefill): the
     # backend may then attend over the new K/V directly instead of gathering from the pool.
@@ -64,6 +62,8 @@ class _TorchState:
     decode_index: torch.Tensor | None = None  # [B, max_k] slots, padded with slot 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_k] True where attended
     extend_seqs: list[int] = field(default_factory=list)
+    # Slot index tensors of the extend sequences that read the pool (not self_only).
+    extend_index: dict[int, torch.Tensor] = field(default_factory=dict)
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
@@ -76,7 +76,7 @@ class TorchAttentionBackend:
         state = _TorchState()
         decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
         state.extend_seqs = [i for i, q in enumerate(meta.q_lens) if q != 1]
-        device = meta.kv_indices.device
+        device = meta.write_slots.device
         if decode:
             lens = [meta.kv_lens[i] for i in decode]
             max_k = max(lens)
@@ -90,6 +90,9 @@ class TorchAttentionBackend:
             state.all_decode = len(decode) == meta.num_seqs
         for i in state.extend_seqs:
             q, k = meta.q_lens[i], meta.kv_lens[i]
+            if not meta.self_only[i]:
+                state.extend_index[i] = torch.tensor(meta.kv_lists[i], dtype=torch.long,
+                                                     device=device)
             if q != k and (q, k) not in state.masks:
                 # Bottom-right causal: query t sees entries 0 .. k-q+t.
                 rows = torch.arange(q, device=device)[:, None] + (k - q)
@@ -109,7 +112,7 @@ class TorchAttentionBackend:
             if meta.self_only[i]:
                 ks, vs = k[qs:qs + ql], v[qs:qs + ql]
             else:
-                idx = meta.kv_indices[meta.kv_starts[i]:meta.kv_starts[i] + kl]
+                idx = state.extend_index[i]
                 ks, vs = k_cache.index_select(0, idx), v_cache.index_select(0, idx)
             o = F.scaled_dot_product_attention(
                 q[qs:qs + ql].transpose(0, 1).unsqueeze(0),

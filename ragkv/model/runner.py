@@ -32,17 +32,14 @@ class ModelRunner:
         """Run one step; returns float32 logits [number of works with sample=True, vocab]."""
         input_ids: list[int] = []
         positions: list[int] = []
-        kv_indices: list[int] = []
         write_slots: list[int] = []
-        q_lens, kv_lens, q_starts, kv_starts, self_only, seq_lens = [], [], [], [], [], []
+        q_lens, kv_lens, q_starts, self_only, seq_lens = [], [], [], [], []
         logits_rows: list[int] = []
         for w in works:
             q, k = len(w.token_ids), len(w.kv_indices)
             q_starts.append(len(input_ids))
-            kv_starts.append(len(kv_indices))
             input_ids.extend(w.token_ids)
             positions.extend(w.positions)
-            kv_indices.extend(w.kv_indices)
             write_slots.extend(w.kv_indices[k - q:])
             q_lens.append(q)
             kv_lens.append(k)
@@ -52,8 +49,7 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
         meta = AttentionMetadata(
-            q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_starts=kv_starts,
-            kv_indices=torch.tensor(kv_indices, dtype=torch.long, device=dev),
+            q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts,
             kv_lists=[w.kv_indices for w in works],
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=dev),
             self_only=self_only, seq_lens=seq_lens,
