@@ -102,9 +102,7 @@ class ChunkCache:
         """Find the entry for this chunk (complete or being computed); counts a hit or miss."""
         start = time.perf_counter()
         key = self.key(namespace, system, tokens)
-        entry = self._entries.get(key)
-        if entry is not None and (entry.tokens != tokens or entry.system != system):
-            entry = None  # a hash collision: never serve another chunk's KV
+        entry = self.find(key, system, tokens)
         self.lookups += 1
         if entry is None:
             self.misses += 1
@@ -116,7 +114,8 @@ class ChunkCache:
 
     def find(self, key: bytes, system: tuple[int, ...],
              tokens: tuple[int, ...]) -> ChunkEntry | None:
-        """Like lookup, uncounted: for a request re-checking a chunk it is waiting for."""
+        """The entry under `key` if it holds exactly these tokens (a hash collision never
+        serves another chunk's KV); uncounted, for a request re-checking a chunk it waits for."""
         entry = self._entries.get(key)
         if entry is not None and (entry.tokens != tokens or entry.system != system):
             return None
