@@ -46,6 +46,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
+    max_n: int = 128  # largest `n` (completions per prompt) a request may ask for
     # Chunk cache (DESIGN §1-§3): chunk-isolated RAG prompts with reusable chunk KV.
     enable_chunk_cache: bool = True
     chunk_separator: str | None = "##"
@@ -54,9 +55,11 @@ class EngineConfig:
     max_chunk_tokens: int = 4096
     oversize_chunk: str = "error"
     chunk_hash_algo: str = "sha256"
+    # Check the scheduler's invariants after every step (also on with RAGKV_DEBUG_CHECKS=1).
+    debug_checks: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs", "max_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

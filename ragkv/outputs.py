@@ -71,3 +71,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = field(default=None)
+    # Set when serving the request failed (its completions end with finish_reason "error");
+    # the message says why. Other requests are not affected.
+    error: str | None = None

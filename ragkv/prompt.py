@@ -59,6 +59,27 @@ class PromptRules:
     separator: str | None = "##"
     max_chunk_tokens: int = 4096
     oversize_chunk: str = "error"  # or "split"
+    # Text longer than this cannot fit max_model_len: refused before tokenizing.
+    max_prompt_chars: int | None = None
+
+
+def max_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry: no text tokenizes to fewer than
+    len(text) / max_token_chars tokens (byte-level entries spell one byte per character, and a
+    character is at least one byte)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def check_text(name: str, text: str, max_chars: int | None = None) -> None:
+    """A clear ValueError for text the tokenizer cannot take or that can never fit."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{name} is not valid Unicode: it holds a lone surrogate "
+                         f"(U+{ord(text[e.start]):04X}) at index {e.start}") from None
+    if max_chars is not None and len(text) > max_chars:
+        raise ValueError(f"{name} has {len(text)} characters; no text over {max_chars} "
+                         "characters fits max_model_len")
 
 
 def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt:
@@ -78,9 +99,10 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt
     if salt is not None and not isinstance(salt, str):
         raise ValueError("cache_salt must be a string")
     if isinstance(prompt, str):
+        check_text("prompt", prompt, rules.max_prompt_chars)
         return _finish(_split_text(prompt, tokenizer, rules.separator, salt), rules)
     if isinstance(prompt, RAGPrompt):
-        return _finish(_from_rag_prompt(prompt, tokenizer), rules)
+        return _finish(_from_rag_prompt(prompt, tokenizer, rules.max_prompt_chars), rules)
     if isinstance(prompt, ChunkedPrompt):  # already tokenized (e.g. a split chat prompt)
         return _finish(prompt, rules)
     raise ValueError(
@@ -106,7 +128,18 @@ def _split_text(text: str, tokenizer, separator: str | None, salt: str | None) -
     )
 
 
-def _from_rag_prompt(p: RAGPrompt, tokenizer) -> ChunkedPrompt:
+def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None) -> ChunkedPrompt:
+    chunks = p.chunks if isinstance(p.chunks, (list, tuple)) else ()
+    named = [("RAGPrompt.system", p.system), ("RAGPrompt.question", p.question),
+             *(("RAGPrompt.chunks", c) for c in chunks)]
+    texts = [(name, x) for name, x in named if isinstance(x, str)]
+    for name, text in texts:
+        check_text(name, text)
+    total = sum(len(x) for _, x in texts)
+    if max_chars is not None and total > max_chars:
+        raise ValueError(f"RAGPrompt has {total} characters; no text over {max_chars} "
+                         "characters fits max_model_len")
+
     def tokens(part, name: str, special: bool) -> list[int]:
         if isinstance(part, str):
             # Like the separator form: a blank chunk is dropped, the system part gets BOS.
@@ -129,13 +162,17 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer) -> ChunkedPrompt:
 
 
 def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
-    if p.cache_salt is not None and not isinstance(p.cache_salt, str):
-        raise ValueError("cache_salt must be a string")
+    if p.cache_salt is not None:
+        if not isinstance(p.cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        check_text("cache_salt", p.cache_salt)
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:
         raise ValueError("the question is empty")
     for part in (p.system, *p.chunks, p.question):
+        if part and min(part) >= 0 and max(part) < rules.vocab_size:
+            continue  # the common case, checked at C speed
         bad = next((t for t in part if not 0 <= t < rules.vocab_size), None)
         if bad is not None:
             raise ValueError(

@@ -161,11 +161,20 @@ def test_bad_input_raises_value_error_and_engine_survives(llm64, case):
     assert_idle(llm64)
 
 
-def test_prompt_of_exactly_max_model_len_is_accepted(llm64):
-    out = llm64.generate({"prompt_token_ids": random_prompt(64, seed=9)},
+def test_max_model_len_bounds_prompt_plus_output_exactly(llm64):
+    """Regression (issue 8, defect 9): a prompt of exactly max_model_len tokens was accepted
+    and then generated a token (65 tokens in a 64-token sequence). max_model_len bounds prompt
+    plus output: 63 prompt tokens generate exactly one token, 64 are refused."""
+    with pytest.raises(ValueError, match=r"64 tokens.*max_model_len=64.*at most 63"):
+        llm64.generate({"prompt_token_ids": random_prompt(64, seed=9)},
+                       SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert_idle(llm64)
+    out = llm64.generate({"prompt_token_ids": random_prompt(63, seed=9)},
                          SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
                          use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 64
     assert_idle(llm64)
 
 

@@ -156,6 +156,10 @@ class ChunkCache:
         self._entries[key] = entry
         return entry
 
+    def pending_entries(self) -> list[ChunkEntry]:
+        """Entries still being computed by their owner."""
+        return [e for e in self._entries.values() if not e.complete]
+
     def complete(self, entry: ChunkEntry) -> None:
         entry.complete = True
         if entry.ref_count == 0:  # the owner already let go

@@ -22,6 +22,11 @@ class SeqKV:
     handle: RadixHandle | None = None
     borrowed: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in slots
     namespace: str = ""  # prefix-cache namespace: the request's cache salt
+    # The runner keeps `slots` mirrored in a device tensor (`mirror`, opaque here), copying
+    # only what was appended since the last step; its first `num_mirrored` entries are known
+    # to equal `slots`. Whoever rewrites slots[i:] in place lowers it to at most i.
+    mirror: object = None
+    num_mirrored: int = 0
 
     def own_slots(self) -> list[int]:
         if not self.borrowed:
@@ -83,6 +88,7 @@ class KVCacheManager:
         if seq.handle is not None:
             self.radix.unlock(seq.handle)
         seq.slots[:n] = match.slots
+        seq.num_mirrored = min(seq.num_mirrored, seq.num_tree)
         seq.num_tree = n
         seq.handle = match.handle
 
@@ -98,6 +104,7 @@ class KVCacheManager:
         seq.num_tree = 0
         seq.handle = None
         seq.borrowed = []
+        seq.num_mirrored = 0
 
     def check_integrity(self, live: list[SeqKV] = ()) -> None:
         """free + cached + held by live sequences == capacity, with no slot counted twice."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -20,12 +21,13 @@ from ..config import (
     resolve_device,
     resolve_dtype,
 )
+from ..detokenizer import IncrementalDetokenizer
 from ..model.attention import get_attention_backend
 from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.runner import ModelRunner
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..prompt import PromptRules, parse_prompt
+from ..prompt import ChunkedPrompt, PromptRules, max_token_chars, parse_prompt
 from ..sampling import SamplingParams, sample
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
@@ -93,10 +95,16 @@ class Engine:
         if config.enable_chunk_cache:
             region = SlotAllocator(general_end, self.layout.num_slots)
             self.chunk_cache = ChunkCache(region, config.chunk_hash_algo)
+        debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
         self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching)
+                                   config.max_num_batched_tokens, config.enable_prefix_caching,
+                                   debug_checks=debug)
+        # No text longer than this can tokenize to max_model_len tokens (x2: normalizers may
+        # merge characters), so longer prompts are refused before the tokenizer runs.
+        max_chars = 2 * self.max_model_len * max_token_chars(self.tokenizer)
         self.prompt_rules = PromptRules(mc.vocab_size, config.chunk_separator,
-                                        config.max_chunk_tokens, config.oversize_chunk)
+                                        config.max_chunk_tokens, config.oversize_chunk,
+                                        max_chars)
         self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{STRATEGY}"
         self.runner = ModelRunner(self.model, self.pool, get_attention_backend("torch"),
                                   self.device)
@@ -111,15 +119,23 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
+    def process_prompt(self, prompt: object,
+                       params: SamplingParams | None = None) -> ChunkedPrompt:
+        """Parse, tokenize and validate a prompt with its sampling parameters; raises
+        ValueError naming the field and the limit. Reads only the tokenizer and the config,
+        so a server runs it off the engine thread and hands the result to `add_request`."""
+        params = self._check_params(params)
+        parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules)
+        self._validate(len(parsed.token_ids), params)
+        return parsed
+
     def add_request(self, prompt: object, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Validate and queue a request; raises ValueError (queuing nothing) on bad input."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules)
+        """Validate and queue a request; raises ValueError (queuing nothing) on bad input.
+        `prompt` may be the result of `process_prompt` (validated again, cheaply)."""
+        params = self._check_params(params)
+        parsed = self.process_prompt(prompt, params)
         token_ids = parsed.token_ids
-        self._validate(len(token_ids), params)
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1
@@ -149,18 +165,32 @@ class Engine:
                 metrics=RequestMetrics(arrival_time=arrival), layout=layout,
                 system=system, chunks=chunks, namespace=namespace,
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             ))
         self._parents[request_id] = children
         for child in children:
             self.scheduler.add(child)
         return request_id
 
+    @staticmethod
+    def _check_params(params: SamplingParams | None) -> SamplingParams:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        return params
+
     def _validate(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens > self.max_model_len:
+        # max_model_len bounds a sequence's tokens, prompt plus output (for a RAG prompt the
+        # flat count S + all chunks + Q, which is also the length of the question's KV
+        # list), so a prompt must leave room for at least one generated token.
+        if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
-                f"prompt has {num_prompt_tokens} tokens, longer than max_model_len="
-                f"{self.max_model_len}"
+                f"prompt has {num_prompt_tokens} tokens, too long for max_model_len="
+                f"{self.max_model_len} (prompt plus output): at most "
+                f"{self.max_model_len - 1} prompt tokens fit"
             )
+        if params.n > self.config.max_n:
+            raise ValueError(f"n={params.n} exceeds max_n={self.config.max_n}")
         if params.logprobs is not None:
             limit = min(self.config.max_logprobs, self.model_config.vocab_size)
             if params.logprobs > limit:
@@ -174,28 +204,73 @@ class Engine:
     def step(self, include_unfinished: bool = False) -> list[RequestOutput]:
         """Run one scheduling step. Returns an output for every request that finished, and
         with `include_unfinished` also for every request that got a new token (streaming);
-        without it no per-step detokenization is done."""
+        without it no per-step detokenization is done unless stop strings need it.
+
+        A failure while serving one request (planning it, or turning its token into text)
+        finishes that request alone with finish_reason "error" and `RequestOutput.error`; if
+        the model itself cannot run the step, the requests in the step fail and every other
+        request and cache stays as it was."""
         sched = self.scheduler.schedule()
+        # Requests that failed while being planned are already out of the step. Their
+        # siblings fail after it: one of them may compute a chunk another request of this
+        # step reads.
+        failed = {r.parent_id: None for r in sched.failed}
         if sched.empty:
-            return []
-        logits = self.runner.execute(sched.works)
+            return self._fail_parents(sched.failed, failed)
+        try:
+            logits = self.runner.execute(sched.works)
+        except Exception as e:  # the step cannot go on: fail its requests, keep the rest
+            logger.exception("model step failed")
+            message = f"model step failed: {type(e).__name__}: {e}"
+            in_step = self.scheduler.fail_step(sched, message)
+            failed.update((r.parent_id, None) for r in in_step)
+            return self._fail_parents(sched.failed + in_step, failed)
         self.scheduler.update(sched)
-        return self._postprocess(sched, logits, include_unfinished)
+        outputs = self._postprocess(sched, logits, include_unfinished)
+        if sched.failed:
+            # A failed parent's final output replaces a partial one from this step.
+            by_id = {o.request_id: o for o in outputs}
+            by_id.update((o.request_id, o) for o in self._fail_parents(sched.failed, failed))
+            outputs = list(by_id.values())
+        return outputs
+
+    def _fail_parents(self, failed: list[Request], parent_ids: dict[str, None]
+                      ) -> list[RequestOutput]:
+        """Fail the siblings of `failed` requests too; the outputs of their parents."""
+        for req in failed:
+            self._fail(req, req.error)
+        return [self._output(pid) for pid in parent_ids if pid in self._parents]
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor,
                      include_unfinished: bool) -> list[RequestOutput]:
         sampled = [w.request for w in sched.works if w.sample]
         touched: dict[str, None] = {}
         if sampled:
-            result = sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+            try:
+                result = sample(logits, [r.params for r in sampled],
+                                [r.generator for r in sampled])
+            except Exception as e:  # noqa: BLE001 (the sampled requests fail, not the engine)
+                logger.exception("sampling failed")
+                for req in sampled:
+                    self._fail(req, f"sampling failed: {type(e).__name__}: {e}")
+                    touched[req.parent_id] = None
+                sampled = []
             now = time.monotonic()
             for j, req in enumerate(sampled):
-                self._append_token(req, result.token_ids[j], result.token_logprobs[j],
-                                   result.top_logprobs[j], now)
+                if req.status.finished:
+                    continue  # a sibling failed
+                try:
+                    self._append_token(req, result.token_ids[j], result.token_logprobs[j],
+                                       result.top_logprobs[j], now)
+                except Exception as e:  # noqa: BLE001 (this request fails, not the step)
+                    logger.exception("request %s failed", req.request_id)
+                    self._fail(req, f"{type(e).__name__}: {e}")
                 touched[req.parent_id] = None
         outputs = []
         for pid in touched:
-            if include_unfinished or all(c.status.finished for c in self._parents[pid]):
+            children = self._parents.get(pid)
+            if children is not None and (include_unfinished
+                                         or all(c.status.finished for c in children)):
                 outputs.append(self._output(pid))
         return outputs
 
@@ -225,30 +300,46 @@ class Engine:
             self._finish(req, status)
 
     def _hit_stop_string(self, req: Request) -> bool:
-        text = self._detokenize(req, req.output_token_ids)
+        """Look for a stop string in the text the last token added (and the few characters
+        before it that a stop string could start in); cut the text there if found."""
+        detok = req.detokenizer
+        added = detok.update(req.output_token_ids)
+        if not added:
+            return False
+        text = detok.text
+        longest = max(len(s) for s in req.params.stop)
+        start = max(0, len(text) - added - longest + 1)
         earliest = None
         for stop in req.params.stop:
-            idx = text.find(stop)
+            idx = text.find(stop, start)
             if idx >= 0 and (earliest is None or idx < earliest[0]):
                 earliest = (idx, stop)
         if earliest is None:
             return False
-        req.text = text[:earliest[0]]
+        detok.truncate(earliest[0])
+        req.text = detok.text
         req.stop_reason = earliest[1]
         return True
-
-    def _detokenize(self, req: Request, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids,
-                                     skip_special_tokens=req.params.skip_special_tokens)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if not isinstance(req.stop_reason, str):  # a stop string already cut the text
             ids = req.output_token_ids
             if status is RequestStatus.FINISHED_STOPPED and ids and ids[-1] in req.stop_ids:
                 ids = ids[:-1]  # the stop token's text is not part of the output (vLLM)
-            req.text = self._detokenize(req, ids)
+            req.text = req.detokenizer.finish(ids)
         req.metrics.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
+
+    def _fail(self, req: Request, message: str | None) -> None:
+        """Finish `req` and its siblings (the other samples of its prompt) with an error."""
+        now = time.monotonic()
+        for child in self._parents.get(req.parent_id, [req]):
+            if child is req or not child.status.finished:
+                child.error = message or "request failed"
+                if child.metrics.finished_time is None:
+                    child.metrics.finished_time = now
+                if not child.status.finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
 
     def has_request(self, request_id: str) -> bool:
         """Whether a request (by its parent id) is queued or running."""
@@ -269,7 +360,7 @@ class Engine:
         completions = [
             CompletionOutput(
                 index=c.index,
-                text=c.text if c.status.finished else self._detokenize(c, c.output_token_ids),
+                text=c.text if c.status.finished else self._partial_text(c),
                 token_ids=list(c.output_token_ids),
                 cumulative_logprob=c.cumulative_logprob,
                 # A copy: the engine keeps appending while a server thread reads it.
@@ -279,11 +370,19 @@ class Engine:
             )
             for c in children
         ]
+        error = next((c.error for c in children if c.error is not None), None)
         return RequestOutput(
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=first.metrics,
+            metrics=first.metrics, error=error,
         )
+
+    @staticmethod
+    def _partial_text(req: Request) -> str:
+        """The stable text of an unfinished request (an incomplete last character is held
+        back), brought up to date incrementally."""
+        req.detokenizer.update(req.output_token_ids)
+        return req.detokenizer.text
 
     def stats(self) -> EngineStats:
         radix = self.kv.radix

@@ -15,6 +15,7 @@ import torch
 
 from ..cache.chunk_cache import ChunkEntry
 from ..cache.kv_manager import SeqKV
+from ..detokenizer import IncrementalDetokenizer
 from ..outputs import Logprob, RequestMetrics
 from ..sampling import SamplingParams
 
@@ -25,6 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # serving this request failed; `Request.error` says why
 
     @property
     def finished(self) -> bool:
@@ -109,6 +111,8 @@ class Request:
     cumulative_logprob: float | None = None
     bindings: list[ChunkBinding | None] = field(default_factory=list)
     chunk_keys: list[bytes | None] = field(default_factory=list)  # set on first lookup
+    detokenizer: IncrementalDetokenizer | None = None
+    error: str | None = None  # why the request failed (status FINISHED_ERROR)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -12,13 +12,28 @@ whole cold RAG prompt, and a request may use a chunk that another request comput
 same step. Long segments are split over steps (chunked prefill).
 
 When the general KV region runs out, unlocked prefix-cache entries are evicted; if that is not
-enough, the newest running request not yet scheduled this step is preempted: its slots go
-back (its computed prefix into the radix cache, its unfinished chunk entries dropped) and it
-is recomputed later. Everything here is plain integers and lists.
+enough, the newest running request that is newer than the one asking and not yet scheduled
+this step is preempted: its slots go back (its computed prefix into the radix cache, its
+unfinished chunk entries dropped) and it is recomputed later. A running request that gets no
+work for lack of slots preempts itself. No waiting request is admitted in a step that
+preempted (vLLM's rule): the room just freed belongs to the running requests.
+
+Rules that keep the bookkeeping consistent (`check_invariants` verifies them after every
+`schedule()` when debug checks are on):
+- everything a request took this step (works, progress, chunk entries it completes) is
+  dropped together when it is preempted or fails, so a step never computes for a request that
+  no longer holds its slots;
+- planning stops for a stated reason (no free slots, or a chunk another request computes); a
+  waiting request is admitted only when its whole plan for the step fits (or it waits for a
+  chunk another request computes), otherwise everything it took is rolled back;
+- an exception while planning one request fails that request alone.
+Everything here is plain integers and lists.
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,16 +42,26 @@ from ..cache.chunk_cache import ChunkCache, ChunkEntry
 from ..cache.kv_manager import KVCacheManager
 from .request import ChunkBinding, Request, RequestStatus
 
+logger = logging.getLogger("ragkv")
+
 
 @dataclass(slots=True)
 class SeqWork:
-    """One sequence's share of a step, in the attention contract's terms."""
+    """One sequence's share of a step, in the attention contract's terms: flat tokens
+    [start, end) of `request` are computed now; the KV list is the concatenation of the
+    `kv_spans` ranges of `request.kv.slots`, the last ending at `end`."""
 
     request: Request
-    token_ids: list[int]  # the new tokens to compute
+    start: int
+    end: int
+    kv_spans: tuple[tuple[int, int], ...]
+    token_ids: list[int]
     positions: list[int]
-    kv_indices: list[int]  # whole KV list; its last len(token_ids) entries are written now
     sample: bool  # the step ends this request's pending tokens: sample the next one
+
+    @property
+    def num_kv(self) -> int:
+        return sum(b - a for a, b in self.kv_spans)
 
 
 @dataclass(slots=True)
@@ -47,24 +72,53 @@ class SchedulerOutput:
     completing: list[ChunkEntry] = field(default_factory=list)
     # Flat token count each scheduled request will have computed after this step.
     progress: dict[int, tuple[Request, int]] = field(default_factory=dict)
+    # Requests that failed while being planned (already finished with FINISHED_ERROR).
+    failed: list[Request] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not self.works
 
+    def requests(self) -> list[Request]:
+        """The requests with work in this step, each once."""
+        return list({id(w.request): w.request for w in self.works}.values())
+
+    def discard(self, req: Request) -> None:
+        """Forget everything `req` was given this step."""
+        if any(w.request is req for w in self.works):
+            self.works = [w for w in self.works if w.request is not req]
+        owned = {id(b.entry) for b in req.bindings
+                 if b is not None and b.entry is not None and b.computing}
+        if owned:
+            self.completing = [e for e in self.completing if id(e) not in owned]
+        self.progress.pop(id(req), None)
+
+
+class _Stop(enum.Enum):
+    """Why planning for a request ended."""
+
+    DONE = "done"  # all its pending tokens are planned, or the budget is spent
+    NO_SLOTS = "no_slots"  # the general region has no room, even after preempting
+    CHUNK_WAIT = "chunk_wait"  # another request is computing a chunk it needs
+    FAILED = "failed"
+
 
 class _Blocked(Exception):
-    """Planning for a request stops here (no slots, or a chunk it waits for)."""
+    def __init__(self, reason: _Stop) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, chunk_cache: ChunkCache | None, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool) -> None:
+                 max_num_batched_tokens: int, enable_prefix_caching: bool,
+                 debug_checks: bool = False) -> None:
         self.kv = kv
         self.chunk_cache = chunk_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.debug_checks = debug_checks
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -82,22 +136,33 @@ class Scheduler:
         for req in decoding + prefilling:
             if budget == 0:
                 break
-            if req.status is RequestStatus.RUNNING and id(req) not in out.progress:
-                budget -= self._plan(req, budget, out, may_preempt=True)
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step to make room for an older request
+            used, stop = self._plan(req, budget, out, may_preempt=True)
+            if used == 0 and stop is _Stop.NO_SLOTS:
+                self._preempt(req, out)  # nothing to run: give its room to the others
+            budget -= used
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not out.preempted):
             req = self.waiting[0]
             if self.enable_prefix_caching and not req.kv.slots:
                 # An ordinary prompt keeps one token to compute: its logits give the next
                 # token. A RAG prompt always computes its question, so S may match whole.
                 limit = req.layout.system_len if req.layout.is_rag else req.num_tokens - 1
                 req.num_computed_tokens = self.kv.match_prefix(req.kv, req.token_ids[:limit])
-            used = self._plan(req, budget, out, may_preempt=False)
-            stuck = used == 0 and id(req) not in out.progress
-            if stuck and not self._waits_for_chunk(req):
-                self._release(req)  # no room: try again next step
+            used, stop = self._plan(req, budget, out, may_preempt=False)
+            if stop is _Stop.FAILED:
+                continue
+            if stop is _Stop.NO_SLOTS or (used == 0 and stop is not _Stop.CHUNK_WAIT):
+                # Its plan does not fit: roll back all of it and try again next step (taking
+                # part of its prompt now would only be preempted again).
+                out.discard(req)
+                self._release(req)
                 req.num_computed_tokens = 0
                 break
+            # Admitted: its plan fits, or it holds its place while another request computes
+            # a chunk it shares.
             self.waiting.popleft()
             metrics = req.metrics
             if metrics.first_scheduled_time is None:
@@ -107,22 +172,41 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= used
+        if self.debug_checks:
+            self.check_invariants(out)
         return out
 
-    def _plan(self, req: Request, budget: int, out: SchedulerOutput, may_preempt: bool) -> int:
-        """Add `req`'s works for this step within `budget`; returns the tokens used."""
+    def _plan(self, req: Request, budget: int, out: SchedulerOutput,
+              may_preempt: bool) -> tuple[int, _Stop]:
+        """Add `req`'s works for this step within `budget`; returns the tokens used and why
+        planning stopped. A failure is contained here: the request is finished with
+        FINISHED_ERROR and reported in `out.failed`."""
+        try:
+            return self._plan_works(req, budget, out, may_preempt)
+        except Exception as e:  # a bug or a bad request: it must not take the step down
+            logger.exception("scheduling request %s failed", req.request_id)
+            out.discard(req)
+            req.error = f"scheduling failed: {type(e).__name__}: {e}"
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+            out.failed.append(req)
+            return 0, _Stop.FAILED
+
+    def _plan_works(self, req: Request, budget: int, out: SchedulerOutput,
+                    may_preempt: bool) -> tuple[int, _Stop]:
         x = req.num_computed_tokens
         layout = req.layout
+        s = layout.system_len
         used = 0
+        stop = _Stop.DONE
         try:
             while x < req.num_tokens and used < budget:
                 chunk = layout.chunk_at(x)
                 if chunk is None:
                     # System prompt or question/generated: own slots, allocated as computed.
-                    end = layout.system_len if x < layout.system_len else req.num_tokens
+                    end = s if x < s else req.num_tokens
                     n = min(end - x, budget - used)
                     req.kv.slots.extend(self._alloc(req, n, out, may_preempt))
-                    kv_indices = req.kv.slots[:x + n]
+                    spans = ((0, x + n),)
                 else:
                     start, end = layout.chunk_bounds[chunk]
                     binding = req.bindings[chunk]
@@ -132,25 +216,23 @@ class Scheduler:
                         x = end  # reused: its KV is ready (or completes earlier this step)
                         continue
                     n = min(end - x, budget - used)
-                    kv_indices = req.kv.slots[:layout.system_len] + req.kv.slots[start:x + n]
+                    spans = ((0, s), (start, x + n)) if s else ((start, x + n),)
                     if x + n == end and binding.entry is not None:
                         out.completing.append(binding.entry)
-                out.works.append(_work(req, x, x + n, kv_indices))
+                out.works.append(_work(req, x, x + n, spans))
                 x += n
                 used += n
-        except _Blocked:
-            if req in out.preempted:
-                return 0
+        except _Blocked as blocked:
+            stop = blocked.reason
         if x > req.num_computed_tokens:
             out.progress[id(req)] = (req, x)
-        return used
+        return used, stop
 
     def _bind_chunk(self, req: Request, i: int, out: SchedulerOutput,
                     may_preempt: bool) -> ChunkBinding:
         """Decide where chunk i's KV comes from and append its slots to the request's list."""
         cache = self.chunk_cache
         tokens = req.chunks[i]
-        entry = None
         if cache is not None:
             if req.chunk_keys[i] is None:
                 req.chunk_keys[i], entry = cache.lookup(req.namespace, req.system, tokens)
@@ -163,7 +245,7 @@ class Scheduler:
                 entry = cache.find(req.chunk_keys[i], req.system, tokens)
             if entry is not None:
                 if not (entry.complete or entry in out.completing):
-                    raise _Blocked  # someone computes it right now: use theirs when done
+                    raise _Blocked(_Stop.CHUNK_WAIT)  # being computed: use it when done
                 binding = ChunkBinding(entry, computing=False)
                 cache.pin(entry)
             else:
@@ -181,25 +263,26 @@ class Scheduler:
         req.bindings[i] = ChunkBinding(None, computing=True)
         return req.bindings[i]
 
-    def _waits_for_chunk(self, req: Request) -> bool:
-        """Whether planning stopped at a chunk that another request is computing."""
-        chunk = req.layout.chunk_at(req.num_computed_tokens)
-        return (chunk is not None and req.bindings[chunk] is None
-                and req.chunk_keys[chunk] is not None)
-
     def _alloc(self, req: Request, n: int, out: SchedulerOutput, may_preempt: bool) -> list[int]:
         """`n` general-region slots, preempting newer unscheduled requests if allowed."""
         while True:
             slots = self.kv.allocate(n)
             if slots is not None:
                 return slots
-            victim = self._newest_unscheduled(out, exclude=req) if may_preempt else None
+            victim = self._victim(req, out) if may_preempt else None
             if victim is None:
-                has_work = id(req) in out.progress or any(w.request is req for w in out.works)
-                if may_preempt and not has_work:
-                    self._preempt(req, out)
-                raise _Blocked
+                raise _Blocked(_Stop.NO_SLOTS)
             self._preempt(victim, out)
+
+    def _victim(self, req: Request, out: SchedulerOutput) -> Request | None:
+        """The newest running request newer than `req` with nothing planned this step."""
+        busy = {id(w.request) for w in out.works}
+        for other in reversed(self.running):
+            if other is req:
+                return None
+            if id(other) not in busy and id(other) not in out.progress:
+                return other
+        return None
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed counts after the model ran; cache fresh KV."""
@@ -210,6 +293,16 @@ class Scheduler:
             req.num_computed_tokens = x
             if self.enable_prefix_caching and prefilled:
                 self.kv.cache(req.kv, req.cacheable_tokens())
+
+    def fail_step(self, out: SchedulerOutput, message: str) -> list[Request]:
+        """The model could not run this step: finish every request with work in it with
+        FINISHED_ERROR. Their slots come back; chunk entries they were computing are dropped;
+        nothing else changes. Returns the failed requests."""
+        failed = out.requests()
+        for req in failed:
+            req.error = message
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+        return failed
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out of the queues and give back its slots."""
@@ -234,14 +327,8 @@ class Scheduler:
         cacheable = req.cacheable_tokens() if self.enable_prefix_caching else None
         self.kv.release(req.kv, cacheable)
 
-    def _newest_unscheduled(self, out: SchedulerOutput, exclude: Request) -> Request | None:
-        busy = {id(w.request) for w in out.works}
-        for req in reversed(self.running):
-            if req is not exclude and id(req) not in busy and id(req) not in out.progress:
-                return req
-        return None
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        out.discard(req)
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
@@ -250,12 +337,54 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
+    def check_invariants(self, out: SchedulerOutput) -> None:
+        """What a step may rely on; raises AssertionError. Cost: linear in the step's works
+        and the live requests' chunk bindings, not in the pool size."""
+        running = {id(r) for r in self.running}
+        written: set[int] = set()
+        for w in out.works:
+            req = w.request
+            if id(req) not in running or req.status is not RequestStatus.RUNNING:
+                raise AssertionError(f"scheduler: work for request {req.request_id}, which is "
+                                     f"not running ({req.status.value})")
+            q = w.end - w.start
+            if not (0 <= w.start < w.end <= req.num_tokens and w.kv_spans
+                    and w.kv_spans[-1][1] == w.end and w.num_kv >= q
+                    and all(0 <= a <= b <= len(req.kv.slots) for a, b in w.kv_spans)):
+                raise AssertionError(f"scheduler: malformed work {w.start}..{w.end} "
+                                     f"{w.kv_spans} for request {req.request_id}")
+            chunk = req.layout.chunk_at(w.start)
+            if chunk is not None and not (req.bindings[chunk] and req.bindings[chunk].computing):
+                raise AssertionError("scheduler: a work writes into a chunk it only reuses")
+            for slot in req.kv.slots[w.end - q:w.end]:
+                if slot == 0 or slot in written:
+                    raise AssertionError(f"scheduler: slot {slot} written twice in one step "
+                                         "(or the padding slot)")
+                written.add(slot)
+        for req, x in out.progress.values():
+            if id(req) not in running or not req.num_computed_tokens < x <= req.num_tokens:
+                raise AssertionError(f"scheduler: progress for request {req.request_id} that "
+                                     "is not running or does not advance")
+        if self.chunk_cache is None:
+            return
+        owners: dict[int, int] = {}
+        for req in self.live():
+            for b in req.bindings:
+                if b is not None and b.entry is not None and b.computing:
+                    owners[id(b.entry)] = owners.get(id(b.entry), 0) + 1
+        for entry in self.chunk_cache.pending_entries():
+            if owners.get(id(entry)) != 1:
+                raise AssertionError("scheduler: a chunk entry being computed has "
+                                     f"{owners.get(id(entry), 0)} live owners")
+        for entry in out.completing:
+            if entry.complete or not entry.alive or id(entry) not in owners:
+                raise AssertionError("scheduler: a completing chunk entry has no live owner")
 
-def _work(req: Request, start: int, end: int, kv_indices: list[int]) -> SeqWork:
+
+def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]) -> SeqWork:
     return SeqWork(
-        request=req,
+        request=req, start=start, end=end, kv_spans=spans,
         token_ids=req.token_ids[start:end],
         positions=req.layout.positions(start, end),
-        kv_indices=kv_indices,
         sample=end == req.num_tokens,
     )

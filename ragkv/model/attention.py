@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from ..cache.kv_pool import KVPool
 
@@ -29,7 +30,7 @@ class AttentionMetadata:
     q_lens: list[int]
     kv_lens: list[int]
     q_starts: list[int]
-    kv_lists: list[list[int]]  # each sequence's KV slot list, on the host
+    kv_indices: list[torch.Tensor]  # each sequence's KV slot list (long, on the device)
     write_slots: torch.Tensor  # [T] slot of each new token
     # True where a sequence's KV list is exactly its own new tokens (a fresh prefill): the
     # backend may then attend over the new K/V directly instead of gathering from the pool.
@@ -80,8 +81,9 @@ class TorchAttentionBackend:
         if decode:
             lens = [meta.kv_lens[i] for i in decode]
             max_k = max(lens)
-            padded = [meta.kv_lists[i] + [0] * (max_k - meta.kv_lens[i]) for i in decode]
-            state.decode_index = torch.tensor(padded, dtype=torch.long, device=device)
+            # Padded with slot 0, which always holds zeros (see KVPool).
+            state.decode_index = pad_sequence([meta.kv_indices[i] for i in decode],
+                                              batch_first=True, padding_value=0)
             if min(lens) != max_k:
                 lengths = torch.tensor(lens, device=device)
                 mask = torch.arange(max_k, device=device)[None, :] < lengths[:, None]
@@ -91,8 +93,7 @@ class TorchAttentionBackend:
         for i in state.extend_seqs:
             q, k = meta.q_lens[i], meta.kv_lens[i]
             if not meta.self_only[i]:
-                state.extend_index[i] = torch.tensor(meta.kv_lists[i], dtype=torch.long,
-                                                     device=device)
+                state.extend_index[i] = meta.kv_indices[i]
             if q != k and (q, k) not in state.masks:
                 # Bottom-right causal: query t sees entries 0 .. k-q+t.
                 rows = torch.arange(q, device=device)[:, None] + (k - q)
