@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--max-n", type=int, default=128,
+                        help="largest n (completions per prompt) a request may ask for")
+    parser.add_argument("--debug-checks", action="store_true",
+                        help="check the scheduler's invariants after every step")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -76,10 +80,15 @@ def _serve(args: argparse.Namespace) -> int:
     from .server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from .server.app import ServerConfig
+
     config = EngineConfig(model=args.model, **engine_kwargs(args))
-    serve(config, host=args.host, port=args.port, api_key=args.api_key,
-          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-          log_level=args.log_level)
+    server = ServerConfig(model_name=args.served_model_name or "", api_key=args.api_key,
+                          max_body_bytes=args.max_body_bytes,
+                          body_timeout_s=args.body_timeout)
+    serve(config, server, host=args.host, port=args.port, log_level=args.log_level,
+          header_timeout_s=args.header_timeout, timeout_keep_alive_s=args.timeout_keep_alive,
+          limit_concurrency=args.limit_concurrency or None)
     return 0
 
 
@@ -139,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients must send (default: MODEL as given)")
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a connection may take to send a request's headers "
+                          "(idle and slow clients are closed)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request body may take to arrive (else 408)")
+    srv.add_argument("--timeout-keep-alive", type=int, default=5,
+                     help="seconds an idle keep-alive connection stays open after a response")
+    srv.add_argument("--limit-concurrency", type=int, default=1024,
+                     help="connections/requests at once before 503s (0: no limit)")
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=_serve)
 

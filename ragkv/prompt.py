@@ -202,44 +202,66 @@ def _check_ids(name: str, ids: object) -> None:
 
 
 def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
-                      separator: str | None = "##",
-                      cache_salt: str | None = None) -> tuple[ChunkedPrompt, str]:
+                      separator: str | None = "##", cache_salt: str | None = None,
+                      max_chars: int | None = None) -> tuple[ChunkedPrompt, str]:
     """Render a chat with the model's own template and cut it where the documents go.
 
     Documents come from `documents`, or else from separators in the last user message (every
-    part before the last is a document, the last part is the question). The template is
-    rendered once with a sentinel in front of the question; the text before the sentinel is
-    the system part, the documents are the chunks, the rest (question, end of turn, assistant
-    header) is the question part. Returns the prompt and the full rendered text.
+    part before the last is a document, the last part is the question). They are placed at
+    the start of the conversation, so that the system part S does not depend on the history:
+    - with a leading system message: at the end of its content, each document after a blank
+      line ("\n\n" + document); S is the rendered text up to there;
+    - without one: at the start of the first user message, each document followed by a blank
+      line; S is the rendered text up to there (template preamble, the first user header).
+    Everything after the documents (the rest of the conversation, the question, the assistant
+    header) is the question part. The same system message and documents therefore give the
+    same S and chunks whatever the history, and the chunks are reused. Returns the prompt and
+    the full rendered text.
     """
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None:
         raise ValueError("a chat request needs at least one user message")
-    content = messages[last_user].get("content")
-    if not isinstance(content, str):
-        raise ValueError("the last user message's content must be a string")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content must be a string")
+        check_text(f"messages[{i}].content", m["content"])
+    for i, d in enumerate(documents or []):
+        if not isinstance(d, str):
+            raise ValueError(f"documents[{i}] must be a string")
+        check_text(f"documents[{i}]", d)
+    total = sum(len(m["content"]) for m in messages) + sum(map(len, documents or []))
+    if max_chars is not None and total > max_chars:
+        raise ValueError(f"the chat has {total} characters; no text over {max_chars} "
+                         "characters fits max_model_len")
+    content = messages[last_user]["content"]
     if documents is None and separator and separator in content:
         parts = content.split(separator)
         documents, content = parts[:-1], parts[-1]
-    docs = [d for d in (documents or []) if d.strip()]
+    docs = [d.strip() for d in (documents or []) if d.strip()]
     if documents is not None and not content.strip():
         raise ValueError("the question (the last user message) is empty")
     rendered_msgs = [dict(m) for m in messages]
+    rendered_msgs[last_user]["content"] = content
     if not docs:
-        rendered_msgs[last_user]["content"] = content
         text = _render(tokenizer, rendered_msgs)
         ids = tokenizer.encode(text, add_special_tokens=False)
         return ChunkedPrompt([], [], ids, text, cache_salt), text
-    rendered_msgs[last_user]["content"] = _DOC_SENTINEL + content
+    if rendered_msgs[0].get("role") == "system":
+        where, chunk_texts = 0, ["\n\n" + d for d in docs]
+        rendered_msgs[0]["content"] += _DOC_SENTINEL
+    else:
+        where = next(i for i, m in enumerate(rendered_msgs) if m.get("role") == "user")
+        chunk_texts = [d + "\n\n" for d in docs]
+        rendered_msgs[where]["content"] = _DOC_SENTINEL + rendered_msgs[where]["content"]
     text = _render(tokenizer, rendered_msgs)
     if text.count(_DOC_SENTINEL) != 1:
-        raise ValueError("the chat template does not keep the user message intact")
+        raise ValueError("the chat template does not keep the messages intact")
     head, tail = text.split(_DOC_SENTINEL)
     prompt = ChunkedPrompt(
         system=tokenizer.encode(head, add_special_tokens=False),
-        chunks=[tokenizer.encode(d, add_special_tokens=False) for d in docs],
+        chunks=[tokenizer.encode(c, add_special_tokens=False) for c in chunk_texts],
         question=tokenizer.encode(tail, add_special_tokens=False),
-        text=head + "".join(docs) + tail,
+        text=head + "".join(chunk_texts) + tail,
         cache_salt=cache_salt,
     )
     return prompt, prompt.text

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Check the scheduler's invariants after every step, in-process and in served subprocesses.
+os.environ.setdefault("RAGKV_DEBUG_CHECKS", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB = 4096

@@ -202,21 +202,23 @@ def render(tok, messages) -> str:
 
 
 def check_chat_split(tok, prompt: ChunkedPrompt, text: str, messages, docs, question):
-    """The system part ends where the documents go, the question part holds the question and
-    ends with the assistant header, and the decoded parts re-join to the rendered template
-    with the documents inserted in front of the question."""
-    inserted = [dict(m) for m in messages]
-    inserted[-1]["content"] = "".join(docs) + question
-    full = render(tok, inserted)
+    """Documents go at the end of the system message, each after a blank line: S is the
+    rendered text up to there (no history in it), the question part is the rest of the
+    conversation and ends with the assistant header; the decoded parts re-join to the template
+    rendered with the documents in that place."""
+    placed = [dict(m) for m in messages]
+    placed[0]["content"] += "".join("\n\n" + d for d in docs)
+    placed[-1]["content"] = question
+    full = render(tok, placed)
     assert text == full
     system, chunks = tok.decode(prompt.system), [tok.decode(c) for c in prompt.chunks]
     q = tok.decode(prompt.question)
     assert system + "".join(chunks) + q == full
-    assert full.startswith(system) and full[len(system):].startswith(docs[0])
-    assert system.endswith("<|im_start|>user\n")
-    assert system.startswith(tok.bos_token) and prompt.system[0] == tok.bos_token_id
-    assert prompt.chunks == [enc(tok, d) for d in docs]
-    assert q.startswith(question) and q.endswith("<|im_start|>assistant\n")
+    assert system == tok.bos_token + "<|im_start|>system\n" + SYSTEM_MSG["content"]
+    assert prompt.system[0] == tok.bos_token_id
+    assert prompt.chunks == [enc(tok, "\n\n" + d) for d in docs]
+    assert q.startswith("<|im_end|>\n") and q.endswith(question + "<|im_end|>\n"
+                                                         "<|im_start|>assistant\n")
     assert prompt.is_rag
 
 
@@ -227,13 +229,34 @@ def test_chat_documents_list(tok):
     assert tok.decode(prompt.system).count("Be brief.") == 1
 
 
-def test_chat_documents_after_earlier_turns(tok):
-    messages = [SYSTEM_MSG, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."},
-                {"role": "user", "content": QUESTION}]
-    prompt, text = split_chat_prompt(tok, messages, documents=DOCS)
-    check_chat_split(tok, prompt, text, messages, DOCS, QUESTION)
-    assert "Hello." in tok.decode(prompt.system)
+def test_chat_history_does_not_change_system_part_or_chunks(tok):
+    """Regression (issue 8, defect 12): S used to run up to the last user message, so any
+    earlier turn changed S and every chunk missed. Now S and the chunks are the same with any
+    history; the history is part of the question."""
+    single = [SYSTEM_MSG, {"role": "user", "content": QUESTION}]
+    history = [SYSTEM_MSG, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": QUESTION}]
+    first, _ = split_chat_prompt(tok, single, documents=DOCS)
+    prompt, text = split_chat_prompt(tok, history, documents=DOCS)
+    check_chat_split(tok, prompt, text, history, DOCS, QUESTION)
+    assert (prompt.system, prompt.chunks) == (first.system, first.chunks)
+    assert "Hello." in tok.decode(prompt.question)
+
+
+def test_chat_without_system_message_puts_documents_in_the_first_user_turn(tok):
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+               {"role": "user", "content": QUESTION}]
+    prompt, text = split_chat_prompt(tok, history, documents=DOCS)
+    system, chunks = tok.decode(prompt.system), [tok.decode(c) for c in prompt.chunks]
+    assert system == tok.bos_token + "<|im_start|>user\n"
+    assert chunks == [d + "\n\n" for d in DOCS]
+    q = tok.decode(prompt.question)
+    assert q.startswith("Hi<|im_end|>") and q.endswith(QUESTION + "<|im_end|>\n"
+                                                       "<|im_start|>assistant\n")
+    assert system + "".join(chunks) + q == text
+    alone, _ = split_chat_prompt(tok, [{"role": "user", "content": QUESTION}], documents=DOCS)
+    assert (alone.system, alone.chunks) == (prompt.system, prompt.chunks)
 
 
 def test_chat_separators_in_last_user_message(tok):
@@ -242,7 +265,7 @@ def test_chat_separators_in_last_user_message(tok):
     prompt, text = split_chat_prompt(tok, messages)
     check_chat_split(tok, prompt, text, messages, DOCS, QUESTION)
     assert "#" not in text
-    # A custom separator.
+    # A custom separator; the documents are stripped.
     content = DOCS[0] + " # # " + DOCS[1] + " # # " + QUESTION
     messages = [SYSTEM_MSG, {"role": "user", "content": content}]
     prompt, text = split_chat_prompt(tok, messages, separator=" # # ")
@@ -265,3 +288,7 @@ def test_chat_errors(tok):
         split_chat_prompt(tok, [{"role": "user", "content": " "}], documents=DOCS)
     with pytest.raises(ValueError, match="user"):
         split_chat_prompt(tok, [SYSTEM_MSG], documents=DOCS)
+    with pytest.raises(ValueError, match=r"documents\[1\] is not valid Unicode"):
+        split_chat_prompt(tok, [{"role": "user", "content": "q"}], documents=["a", "\ud800"])
+    with pytest.raises(ValueError, match=r"messages\[0\].content is not valid Unicode"):
+        split_chat_prompt(tok, [{"role": "user", "content": "q\udfff"}])

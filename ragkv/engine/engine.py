@@ -27,7 +27,13 @@ from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.runner import ModelRunner
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..prompt import ChunkedPrompt, PromptRules, max_token_chars, parse_prompt
+from ..prompt import (
+    ChunkedPrompt,
+    PromptRules,
+    max_token_chars,
+    parse_prompt,
+    split_chat_prompt,
+)
 from ..sampling import SamplingParams, sample
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
@@ -128,6 +134,16 @@ class Engine:
         parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules)
         self._validate(len(parsed.token_ids), params)
         return parsed
+
+    def process_chat(self, messages: list[dict], documents: list[str] | None = None,
+                     cache_salt: str | None = None,
+                     params: SamplingParams | None = None) -> ChunkedPrompt:
+        """A chat request as a prompt (`split_chat_prompt` with the model's template and the
+        engine's separator), validated like `process_prompt`."""
+        prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
+                                      self.config.chunk_separator, cache_salt,
+                                      self.prompt_rules.max_prompt_chars)
+        return self.process_prompt(prompt, params)
 
     def add_request(self, prompt: object, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
@@ -350,6 +366,13 @@ class Engine:
             if not req.status.finished:
                 req.metrics.finished_time = time.monotonic()
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def abort_all(self) -> None:
+        """Abort every queued and running request."""
+        for request_id in list(self._parents):
+            self.abort_request(request_id)
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)  # not reachable by id
 
     def _output(self, parent_id: str) -> RequestOutput:
         children = self._parents[parent_id]

@@ -15,13 +15,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import DEFAULT_MAX_BODY_BYTES
 from ..outputs import RequestOutput
-from ..prompt import split_chat_prompt
-from .async_engine import AsyncEngine, EngineDeadError
+from ..sampling import SamplingParams
+from .async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+
+# Deeper JSON than this is refused: no valid request nests more than a few levels.
+MAX_JSON_DEPTH = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +33,14 @@ class ServerConfig:
     model_name: str
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
+    # Least time between two runs of /debug/integrity's full walk; concurrent callers share one.
+    integrity_interval_s: float = 0.1
 
 
 def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="ragkv", docs_url=None, redoc_url=None)
     tokenizer = engine.engine.tokenizer
-    separator = engine.engine.config.chunk_separator
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -50,24 +56,19 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    gate = _IntegrityGate(engine, config.integrity_interval_s)
+
     @app.get("/debug/integrity")
     async def integrity() -> JSONResponse:
-        """Runs every cache's integrity check between engine steps (for tests and operators)."""
-        def check(eng):
-            eng.check_integrity()
-            stats = eng.stats()
-            chunks = eng.chunk_cache_stats()
-            return {"ok": True, "num_running": stats.num_running,
-                    "num_waiting": stats.num_waiting,
-                    "kv_capacity_tokens": stats.kv_capacity_tokens,
-                    "kv_free_tokens": stats.kv_free_tokens,
-                    "kv_available_tokens": stats.kv_available_tokens,
-                    "chunk_cache_used_tokens": chunks.used_tokens,
-                    "chunk_cache_capacity_tokens": chunks.capacity_tokens}
+        """Runs every cache's integrity check between engine steps (for tests and operators).
+        Callers that arrive while a check waits to run share it, and checks are spaced by
+        `integrity_interval_s`, so polling cannot stall the engine."""
         try:
-            return JSONResponse(await engine.call(check))
+            return JSONResponse(await gate.check())
         except AssertionError as e:
             return JSONResponse({"ok": False, "error": str(e)}, status_code=500)
+        except EngineDeadError as e:
+            return _error(ErrorResponse(503, str(e), "server_error"))
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -85,20 +86,26 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
                 raise ErrorResponse(400, "echo and suffix are not supported",
                                     param="echo" if body.echo else "suffix")
             prompts = _completion_prompts(body)
+            _check_request_size(engine, len(prompts), params)
+            prepared = [await engine.prepare(p, params) for p in prompts]
+            _check_lengths(engine, prepared, params, body.max_tokens is not None)
         except ErrorResponse as e:
             return _error(e)
         except ValueError as e:
             return _error(ErrorResponse(400, str(e)))
-        return await _respond(request, body, params, prompts, chat=False)
+        return await _respond(request, body, params, prepared, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         try:
             body = await _parse(request, ChatCompletionRequest, config)
             params = body.sampling_params()
+            _check_request_size(engine, 1, params)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-            prompt, _ = split_chat_prompt(tokenizer, messages, body.documents, separator,
-                                          body.cache_salt)
+            prompt = await engine.prepare_chat(messages, body.documents, body.cache_salt,
+                                               params)
+            explicit = body.max_tokens is not None or body.max_completion_tokens is not None
+            _check_lengths(engine, [prompt], params, explicit)
         except ErrorResponse as e:
             return _error(e)
         except ValueError as e:
@@ -123,7 +130,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(engine, streams, formatter, include_usage),
                                      media_type="text/event-stream")
-        finals: list[RequestOutput] = []
+        finals: list[RequestOutput | None] = []
         watcher = asyncio.create_task(_abort_on_disconnect(request, engine, streams))
         try:
             for _, outputs in streams:
@@ -131,10 +138,11 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
                 async for last in outputs:  # noqa: B007 (only the final output is kept)
                     pass
                 finals.append(last)
-        except RuntimeError as e:
+        except (RequestFailedError, EngineDeadError) as e:
             for rid, _ in streams:
                 engine.abort(rid)
-            return _error(ErrorResponse(500, str(e), "server_error"))
+            status = 503 if isinstance(e, EngineDeadError) else 500
+            return _error(ErrorResponse(status, str(e), "server_error"))
         finally:
             watcher.cancel()
         if any(out is None or not out.finished for out in finals):
@@ -184,19 +192,28 @@ async def _abort_on_disconnect(request: Request, engine: AsyncEngine, streams: l
 
 
 async def _parse(request: Request, model: type[BaseModel], config: ServerConfig):
-    chunks, size = [], 0
-    async for chunk in request.stream():  # bounded even without a Content-Length
-        size += len(chunk)
-        if size > config.max_body_bytes:
-            raise ErrorResponse(413, f"request body over {config.max_body_bytes} bytes")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    # Only JSON: a browser page cannot send application/json to another origin without a
+    # CORS preflight, which this server never grants, so no web page can drive it.
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise ErrorResponse(415, f"Content-Type must be application/json, got {ctype!r}")
+    try:
+        raw = await asyncio.wait_for(_read_body(request, config.max_body_bytes),
+                                     config.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ErrorResponse(408, f"request body not received within "
+                                 f"{config.body_timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ErrorResponse(499, "client disconnected", "client_closed") from None
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints
+        if isinstance(e, RecursionError):
+            e = f"nested deeper than {MAX_JSON_DEPTH} levels"
         raise ErrorResponse(400, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
         raise ErrorResponse(400, "the request body must be a JSON object")
+    _check_json(data)
     try:
         body = model.model_validate(data)
     except ValidationError as e:
@@ -206,6 +223,82 @@ async def _parse(request: Request, model: type[BaseModel], config: ServerConfig)
     if body.model != config.model_name:
         raise ErrorResponse(404, f"The model `{body.model}` does not exist.", param="model")
     return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():  # bounded even without a Content-Length
+        size += len(chunk)
+        if size > limit:
+            raise ErrorResponse(413, f"request body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _check_json(data: object) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings that are not valid Unicode (a
+    lone surrogate, written as a \\ud800 escape): nothing downstream can take them."""
+    stack: list[tuple[object, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ErrorResponse(400, f"malformed JSON body: nested deeper than "
+                                     f"{MAX_JSON_DEPTH} levels")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                _check_unicode(key, where)
+                stack.append((item, where, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_unicode(value, path)
+
+
+def _check_unicode(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        field = where.split(".")[0].split("[")[0]
+        raise ErrorResponse(400, f"{where or 'a key'} is not valid Unicode: it holds a lone "
+                                 f"surrogate (U+{ord(text[e.start]):04X})",
+                            param=field or None) from None
+
+
+def _check_request_size(engine: AsyncEngine, num_prompts: int, params: SamplingParams) -> None:
+    """Bounds a request's fan-out before anything is tokenized or queued."""
+    eng = engine.engine
+    if params.n > eng.config.max_n:
+        raise ErrorResponse(400, f"n={params.n} exceeds max_n={eng.config.max_n}", param="n")
+    seqs = num_prompts * params.n
+    if seqs > eng.config.max_num_seqs:
+        raise ErrorResponse(400, f"the request asks for {seqs} sequences ({num_prompts} "
+                                 f"prompts x n={params.n}), more than max_num_seqs="
+                                 f"{eng.config.max_num_seqs}", param="n")
+
+
+def _check_lengths(engine: AsyncEngine, prompts: list, params: SamplingParams,
+                   explicit_max_tokens: bool) -> None:
+    """vLLM's rule: prompt plus max_tokens must fit max_model_len; and all the tokens a
+    request may generate must fit the general KV region at once."""
+    eng = engine.engine
+    limit = eng.max_model_len
+    total = 0
+    for prompt in prompts:
+        n = len(prompt.token_ids)
+        if explicit_max_tokens and n + params.max_tokens > limit:
+            raise ErrorResponse(
+                400, f"This model's maximum context length is {limit} tokens. However, you "
+                     f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
+                     f"{params.max_tokens} in the completion). Please reduce the length of "
+                     "the prompt or the completion.", param="max_tokens")
+        left = limit - n
+        total += params.n * (min(params.max_tokens, left) if params.max_tokens else left)
+    capacity = eng.kv.capacity
+    if total > capacity:
+        raise ErrorResponse(400, f"the request may generate {total} tokens in all (n x "
+                                 f"max_tokens over its prompts), more than the KV cache holds "
+                                 f"({capacity}); lower n or max_tokens", param="max_tokens")
 
 
 def _completion_prompts(body: CompletionRequest) -> list:
@@ -253,7 +346,8 @@ async def _stream(engine: AsyncEngine, streams: list, formatter: _Formatter,
                 open_streams -= 1
                 continue
             if isinstance(item, Exception):
-                err = ErrorResponse(500, str(item), "server_error")
+                status = 503 if isinstance(item, EngineDeadError) else 500
+                err = ErrorResponse(status, str(item), "server_error")
                 yield f"data: {json.dumps(err.body())}\n\n"
                 continue
             for chunk in formatter.delta(i, item):
@@ -282,7 +376,9 @@ class _Formatter:
         self.tokenizer = tokenizer
         self.n = params.n
         self.created = int(time.time())
-        self._sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        # choice index -> (characters sent, tokens sent, text_offset of the next token)
+        self._sent: dict[int, tuple[int, int, int]] = {}
+        self._done: set[int] = set()  # choices whose finish_reason was sent
         self._hold = max((len(s) for s in params.stop), default=1) - 1
 
     def _choice_index(self, prompt_index: int, completion_index: int) -> int:
@@ -293,8 +389,9 @@ class _Formatter:
         for p, out in enumerate(outputs):
             for c in out.outputs:
                 index = self._choice_index(p, c.index)
+                logprobs, _ = self._logprobs(c.token_ids, c.logprobs, 0)
                 choice = {"index": index, "finish_reason": c.finish_reason,
-                          "logprobs": self._logprobs(c.token_ids, c.logprobs)}
+                          "logprobs": logprobs}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
@@ -310,20 +407,27 @@ class _Formatter:
         chunks = []
         for c in out.outputs:
             index = self._choice_index(prompt_index, c.index)
+            if index in self._done:
+                continue  # finished earlier; its siblings are still running
             first = index not in self._sent
-            chars, tokens = self._sent.get(index, (0, 0))
+            chars, tokens, offset = self._sent.get(index, (0, 0, 0))
             text = c.text
             if c.finish_reason is None:
-                # Hold back an incomplete UTF-8 character and what may become a stop string.
-                end = len(text) - self._hold
+                # Hold back an incomplete UTF-8 character, then what may become a stop string
+                # (counted on the complete characters only).
+                end = len(text)
                 while end > chars and text[end - 1] == "\ufffd":
                     end -= 1
-                text = text[:max(end, chars)]
+                text = text[:max(end - self._hold, chars)]
             new_text = text[chars:]
             new_ids = c.token_ids[tokens:]
             if not new_text and not first and c.finish_reason is None:
                 continue
-            self._sent[index] = (chars + len(new_text), len(c.token_ids))
+            logprobs, next_offset = self._logprobs(
+                new_ids, c.logprobs[tokens:] if c.logprobs is not None else None, offset)
+            self._sent[index] = (chars + len(new_text), len(c.token_ids), next_offset)
+            if c.finish_reason is not None:
+                self._done.add(index)
             if self.chat:
                 delta = {"content": new_text}
                 if first:
@@ -331,8 +435,7 @@ class _Formatter:
                 choice = {"index": index, "delta": delta}
             else:
                 choice = {"index": index, "text": new_text}
-            choice["logprobs"] = self._logprobs(
-                new_ids, c.logprobs[tokens:] if c.logprobs is not None else None)
+            choice["logprobs"] = logprobs
             choice["finish_reason"] = c.finish_reason
             if not self.chat:
                 choice["stop_reason"] = c.stop_reason
@@ -355,9 +458,12 @@ class _Formatter:
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _logprobs(self, token_ids: list[int], logprobs) -> dict | None:
+    def _logprobs(self, token_ids: list[int], logprobs,
+                  offset: int) -> tuple[dict | None, int]:
+        """The logprobs object of these tokens, and the text offset after them (completions'
+        `text_offset` counts from the start of the choice's text, across chunks)."""
         if logprobs is None:
-            return None
+            return None, offset
         decode = self.tokenizer.decode
         if self.chat:
             content = []
@@ -373,9 +479,8 @@ class _Formatter:
                         for t, lp in top if lp.rank and lp.rank <= self.params.logprobs
                     ],
                 })
-            return {"content": content}
+            return {"content": content}, offset
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        offset = 0
         for tid, entry in zip(token_ids, logprobs, strict=False):
             token = decode([tid])
             tokens.append(token)
@@ -384,4 +489,46 @@ class _Formatter:
             token_logprobs.append(entry[tid].logprob)
             tops.append({decode([t]): lp.logprob for t, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": offsets}
+                "text_offset": offsets}, offset
+
+
+class _IntegrityGate:
+    """Runs the engine's integrity walk for /debug/integrity without letting callers stall the
+    engine: a caller joins the next check that has not started yet (so its answer is never
+    older than the call), one check runs at a time, and checks start at least `interval`
+    seconds apart."""
+
+    def __init__(self, engine: AsyncEngine, interval: float) -> None:
+        self.engine = engine
+        self.interval = interval
+        self._lock = asyncio.Lock()
+        self._next: asyncio.Future | None = None
+        self._last_end = 0.0
+
+    async def check(self) -> dict:
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._run())
+        return await asyncio.shield(self._next)
+
+    async def _run(self) -> dict:
+        async with self._lock:
+            self._next = None  # from now on callers wait for the check after this one
+            wait = self._last_end + self.interval - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            try:
+                return await self.engine.call(_integrity_report)
+            finally:
+                self._last_end = time.monotonic()
+
+
+def _integrity_report(eng) -> dict:
+    eng.check_integrity()
+    stats = eng.stats()
+    chunks = eng.chunk_cache_stats()
+    return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "kv_capacity_tokens": stats.kv_capacity_tokens,
+            "kv_free_tokens": stats.kv_free_tokens,
+            "kv_available_tokens": stats.kv_available_tokens,
+            "chunk_cache_used_tokens": chunks.used_tokens,
+            "chunk_cache_capacity_tokens": chunks.capacity_tokens}

@@ -3,13 +3,23 @@
 The engine is single-threaded by design. One background thread owns it: it takes commands
 (add, abort, call) from a queue, runs `step()` while there is work, and hands each request's
 outputs to that request's asyncio queue. HTTP handlers never touch the engine directly, so the
-server schedules exactly as the offline API does.
+server schedules exactly as the offline API does. Prompts are tokenized and validated before
+they reach that thread (`prepare`, on a tokenizer thread), so a large prompt never stalls the
+steps of the requests already running.
+
+Rules that keep one request's trouble its own:
+- every command runs under its own try: a failing or cancelled command (a caller that gave
+  up waiting) never stops the loop;
+- every stream ends: with its last output, with `RequestFailedError` when the engine failed
+  the request, or with an end marker when it was aborted; when the loop stops, every open
+  stream gets `EngineDeadError`, so no handler waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -19,9 +29,14 @@ from dataclasses import dataclass
 
 from ..engine.engine import Engine
 from ..outputs import RequestOutput
+from ..prompt import ChunkedPrompt
 from ..sampling import SamplingParams
 
 logger = logging.getLogger("ragkv.server")
+
+# Put into a stream's queue when its request was aborted: the iterator ends without a
+# finished output.
+_ABORTED = object()
 
 
 @dataclass(slots=True)
@@ -29,9 +44,18 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
+    def put(self, item: object) -> None:
+        """Thread-safe; a stream whose event loop is gone is simply dropped."""
+        with contextlib.suppress(RuntimeError):  # the loop was closed
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (and only it); the message says why."""
 
 
 class AsyncEngine:
@@ -44,6 +68,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="ragkv-engine", daemon=True)
+        # One thread: tokenizers are not meant to be driven from many threads at once, and
+        # one is enough to keep tokenization off both the event loop and the engine thread.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="ragkv-tokenizer")
 
     def start(self) -> None:
         self._thread.start()
@@ -51,7 +79,26 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=10)  # the loop ends every open stream on its way out
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def alive(self) -> bool:
+        return not self._stopped and self._thread.is_alive()
+
+    async def prepare(self, prompt: object, params: SamplingParams) -> ChunkedPrompt:
+        """Tokenize and validate `prompt` off the event loop and off the engine thread;
+        raises ValueError for bad input."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self.engine.process_prompt,
+                                          prompt, params)
+
+    async def prepare_chat(self, messages: list[dict], documents: list[str] | None,
+                           cache_salt: str | None, params: SamplingParams) -> ChunkedPrompt:
+        """Render, split, tokenize and validate a chat request like `prepare`."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenizer_pool, self.engine.process_chat,
+                                          messages, documents, cache_salt, params)
 
     async def submit(self, prompt: object, params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -59,14 +106,19 @@ class AsyncEngine:
 
         Raises ValueError if the engine rejects the request. If the consumer stops iterating
         early (a client disconnects), the request is aborted and its slots come back; a
-        caller that never iterates must `abort` it.
+        caller that never iterates must `abort` it. Cancelling this call aborts the request
+        (whether or not the engine had taken it yet).
         """
         loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(loop, asyncio.Queue())
         accepted: concurrent.futures.Future = concurrent.futures.Future()
         self._put(("add", request_id, prompt, params, stream, accepted))
-        await asyncio.wrap_future(accepted)
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # commands run in order: after the add, if it happened
+            raise
         return self._outputs(request_id, stream)
 
     async def generate(self, prompt: object, params: SamplingParams,
@@ -79,7 +131,10 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                if item is _ABORTED:
+                    return
                 if isinstance(item, BaseException):
+                    finished = True  # the engine already let go of it
                     raise item
                 finished = item.finished
                 yield item
@@ -90,7 +145,8 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._put(("abort", request_id))
+        if self.alive:
+            self._put(("abort", request_id))
 
     async def call(self, fn: Callable[[Engine], object]) -> object:
         """Run `fn(engine)` on the engine thread between steps and return its result."""
@@ -99,7 +155,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     def _put(self, command: tuple) -> None:
-        if self._stopped or not self._thread.is_alive():
+        if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         self._inbox.put(command)
         self._wake.set()
@@ -107,26 +163,33 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stopped:
-            if self._drain() and self._on_step is not None:
-                self._on_step(engine, [])  # aborts change the gauges without a step
-            if not engine.has_unfinished_requests():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
             try:
+                if self._drain() and self._on_step is not None:
+                    self._on_step(engine, [])  # aborts change the gauges without a step
+                if not engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
                 outputs = engine.step(include_unfinished=True)
-            except Exception as e:  # a bug, not bad input: fail what is running, keep serving
-                logger.exception("engine step failed")
-                self._fail_all(e)
-                continue
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-            if self._on_step is not None:
-                self._on_step(engine, outputs)
+                for out in outputs:
+                    self._deliver(out)
+                if self._on_step is not None:
+                    self._on_step(engine, outputs)
+            except Exception:  # a bug outside any one request: reset, keep serving
+                logger.exception("engine loop error: failing the requests in flight")
+                self._reset()
+        self._close_streams(EngineDeadError("the engine loop stopped"))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        if stream is None:
+            return
+        if out.error is not None:
+            stream.put(RequestFailedError(out.error))
+        else:
+            stream.put(out)
 
     def _drain(self) -> int:
         """Carry out queued commands; returns how many there were."""
@@ -137,30 +200,49 @@ class AsyncEngine:
             except queue.Empty:
                 return count
             count += 1
-            kind = command[0]
-            if kind == "add":
-                _, request_id, prompt, params, stream, accepted = command
-                try:
-                    self.engine.add_request(prompt, params, request_id=request_id)
-                except Exception as e:  # noqa: BLE001 (reported to the caller)
-                    accepted.set_exception(e)
-                    continue
-                self._streams[request_id] = stream
-                accepted.set_result(None)
-            elif kind == "abort":
-                request_id = command[1]
-                self._streams.pop(request_id, None)
-                self.engine.abort_request(request_id)
-            elif kind == "call":
-                _, fn, done = command
-                try:
-                    done.set_result(fn(self.engine))
-                except Exception as e:  # noqa: BLE001 (reported to the caller)
-                    done.set_exception(e)
+            try:
+                self._execute(command)
+            except Exception:  # noqa: BLE001 (one command's failure stays its own)
+                logger.exception("engine command %r failed", command[0])
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                             RuntimeError(f"engine error: {error}"))
+    def _execute(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, stream, accepted = command
+            if not accepted.set_running_or_notify_cancel():
+                return  # the caller gave up before the request was queued
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id)
+            except Exception as e:  # noqa: BLE001 (reported to the caller)
+                accepted.set_exception(e)
+                return
+            self._streams[request_id] = stream
+            accepted.set_result(None)
+        elif kind == "abort":
+            request_id = command[1]
+            stream = self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
-        self._streams.clear()
+            if stream is not None:
+                stream.put(_ABORTED)  # wake whoever still waits on it
+        elif kind == "call":
+            _, fn, done = command
+            if not done.set_running_or_notify_cancel():
+                return
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as e:  # noqa: BLE001 (reported to the caller)
+                done.set_exception(e)
+
+    def _reset(self) -> None:
+        """Abort every request and end every stream: the caches return to a consistent
+        state, with nothing running."""
+        error = RequestFailedError("the engine hit an internal error and reset")
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+        self.engine.abort_all()
+        self._close_streams(error)
+
+    def _close_streams(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(error)

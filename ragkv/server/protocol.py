@@ -26,12 +26,19 @@ class ErrorResponse(Exception):
                           "code": self.status}}
 
 
+# Strict: JSON `true` is not the integer 1 and "1" is not a number; a token id must be an
+# integer (as in the OpenAI API). Unknown fields are still ignored.
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str
     n: int = 1
@@ -74,7 +81,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
