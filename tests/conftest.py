@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -109,22 +110,34 @@ def random_prompt(n: int, seed: int, low: int = 10) -> list[int]:
 @contextlib.contextmanager
 def running_server(model: str, *args: str, env: dict | None = None):
     """A real `ragkv serve` process on a free loopback port; yields its base URL."""
+    with server_process(model, *args, env=env) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def server_process(model: str, *args: str, env: dict | None = None, log_path: str | None = None):
+    """Like `running_server`, yielding (base URL, the Popen); with `log_path` the server's
+    output goes to that file (readable while it runs) instead of a pipe."""
     import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    log = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ragkv.cli", "serve", model, "--port", str(port),
          "--log-level", "warning", *args],
-        env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})}, stdout=log or subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {proc.stdout.read().decode()[-2000:]}")
+                output = (pathlib.Path(log_path).read_text() if log_path
+                          else proc.stdout.read().decode())
+                raise RuntimeError(f"server exited: {output[-2000:]}")
             try:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
@@ -133,10 +146,13 @@ def running_server(model: str, *args: str, env: dict | None = None):
             if time.monotonic() > deadline:
                 raise RuntimeError("server did not come up")
             time.sleep(0.3)
-        yield base
+        yield base, proc
     finally:
-        proc.terminate()
+        if proc.poll() is None:
+            proc.terminate()
         try:
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if log is not None:
+            log.close()

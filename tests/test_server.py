@@ -280,3 +280,158 @@ def test_debug_endpoint_and_unknown_routes_follow_the_api_key_and_error_format(s
     assert httpx.get(f"{server}/debug/integrity").status_code == 401
     r = httpx.get(f"{server}/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and "message" in r.json()["error"]
+
+
+# ------------------------------------------------------ issue 8: one request, one failure
+
+def _post(base: str, body, endpoint: str = "completions", headers: dict | None = None,
+          **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{base}/v1/{endpoint}", content=content, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}",
+                               "Content-Type": "application/json", **(headers or {})},
+                      **kwargs)
+
+
+def _assert_openai_error(r: httpx.Response, status: int, fragment: str) -> None:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+
+
+def test_bad_cache_salt_fails_alone_while_a_stream_runs(server, client, offline):
+    """Regression (defect 1): a cache_salt holding a lone surrogate raised inside the engine
+    step and every in-flight request got a 500 with that request's error text."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = offline.generate(DOCS_PROMPT, params, use_tqdm=False)[0].outputs[0].text
+    collected: list[str] = []
+
+    def run_stream():
+        for chunk in client.completions.create(model=MODEL, prompt=DOCS_PROMPT, max_tokens=40,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):
+            collected.append(chunk.choices[0].text)
+
+    thread = threading.Thread(target=run_stream)
+    thread.start()
+    bad = (b'{"model": "%s", "prompt": "%s", "cache_salt": "\\ud800"}'
+           % (MODEL.encode(), DOCS_PROMPT.encode()))
+    for _ in range(5):
+        _assert_openai_error(_post(server, bad), 400, "cache_salt is not valid Unicode")
+    thread.join(60)
+    assert "".join(collected) == want
+    assert wait_idle(server)["num_running"] == 0
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"n": 1099511627776}, "exceeds max_n=128"),
+    ({"n": 10000}, "exceeds max_n=128"),
+    ({"prompt": ["a prompt"] * 5000}, "5000 sequences"),
+    ({"prompt": ["a", "b", "c"], "n": 100}, "300 sequences"),
+    ({"n": 128, "max_tokens": 2000}, "KV cache holds"),
+    ({"max_tokens": 2047}, "maximum context length is 2048 tokens"),
+], ids=["n_2_40", "n_10000", "5000_prompts", "prompts_x_n", "n_x_max_tokens", "max_tokens"])
+def test_request_fan_out_is_bounded(server, body, fragment):
+    """Regression (defect 2): n had no upper bound (n=2**40 hung the engine thread while
+    memory grew), nor did the number of prompts or n x max_tokens."""
+    start = time.monotonic()
+    r = _post(server, {"model": MODEL, "prompt": "hello", **body})
+    _assert_openai_error(r, 400, fragment)
+    assert time.monotonic() - start < 10  # refused up front, not after generating
+    assert wait_idle(server)["num_running"] == 0
+
+
+@pytest.mark.parametrize("raw,endpoint,fragment", [
+    (b'{"model": "\\ud800", "prompt": "hi"}', "completions", "model is not valid Unicode"),
+    (b'{"model": "%s", "prompt": "hi \\udfff"}' % MODEL.encode(), "completions",
+     "prompt is not valid Unicode"),
+    (b'{"model": "%s", "prompt": ["ok", "\\ud800"]}' % MODEL.encode(), "completions",
+     "prompt[1] is not valid Unicode"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}'
+     % MODEL.encode(), "chat/completions", "messages[0].content is not valid Unicode"),
+    (b'{"model": "%s", "messages": [{"role": "user", "content": "q"}], "documents": '
+     b'["\\udc00"]}' % MODEL.encode(), "chat/completions", "documents[0] is not valid"),
+    (b'{"model": "%s", "prompt": "hi", "\\ud800": 1}' % MODEL.encode(), "completions",
+     "is not valid Unicode"),
+    (b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 1000 + b"]" * 1000 + b"}",
+     "completions", "nested deeper than"),
+    (b"[" * 100_000 + b"]" * 100_000, "completions", "nested deeper than"),
+    (b'{"model": "%s", "prompt": "hi", "n": 1%s}' % (MODEL.encode(), b"0" * 5000),
+     "completions", "malformed JSON"),
+    (b'{"model": "%s", "prompt": [true, 5]}' % MODEL.encode(), "completions",
+     "invalid field prompt"),
+    (b'{"model": "%s", "prompt": "hi", "n": true}' % MODEL.encode(), "completions",
+     "invalid field n"),
+], ids=["model", "prompt", "prompt_list", "chat_message", "documents", "key", "deep_1000",
+        "deep_100000", "huge_int", "bool_token_id", "bool_n"])
+def test_malformed_unicode_and_json_get_400(server, client, raw, endpoint, fragment):
+    """Regression (defects 3 and 11): lone surrogates (in the model name while writing the
+    404, in a prompt, a chat message, documents), JSON nested 1,000 deep and huge integer
+    literals were 500s; `[true]` was accepted as token ids."""
+    _assert_openai_error(_post(server, raw, endpoint), 400, fragment)
+    good = client.completions.create(model=MODEL, prompt="still alive?", max_tokens=2)
+    assert good.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x", None])
+def test_only_json_bodies_are_accepted(server, ctype):
+    """Regression (defect 11): a text/plain body was accepted, so with no API key any web
+    page could drive a local server (browsers send text/plain cross-origin without a
+    preflight)."""
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if ctype:
+        headers["Content-Type"] = ctype
+    r = httpx.post(f"{server}/v1/completions", content=body, headers=headers, timeout=30)
+    _assert_openai_error(r, 415, "application/json")
+
+
+def test_streaming_n_sends_each_finish_reason_once(client):
+    """Regression (defect 7): with n>1 a finished choice re-sent its finish_reason chunk in
+    every later step."""
+    stops = {"stop_token_ids": list(range(100, 4096, 3))}  # finish at different steps
+    chunks = list(client.completions.create(model=MODEL, prompt="Count:", n=3, max_tokens=6,
+                                            temperature=0.8, seed=1, stream=True,
+                                            extra_body=stops))
+    finishes = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices[0].index == i)
+             for i in range(3)}
+    full = client.completions.create(model=MODEL, prompt="Count:", n=3, max_tokens=6,
+                                     temperature=0.8, seed=1, extra_body=stops)
+    assert texts == {c.index: c.text for c in full.choices}
+
+
+def test_concurrent_integrity_checks_share_walks(server):
+    """Regression (defect 11): every /debug/integrity call ran its own full walk on the
+    engine thread; 40 concurrent calls stalled a stream 1.4 s. Concurrent callers now share a
+    check, so they all answer and agree."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(40) as pool:
+        reports = list(pool.map(lambda _: integrity(server), range(40)))
+    assert all(r["ok"] for r in reports)
+    assert len({r["kv_capacity_tokens"] for r in reports}) == 1
+
+
+def test_chat_documents_are_reused_across_different_histories(client):
+    """Regression (defect 12): the system part ran up to the last user message, so the same
+    system message and documents missed the cache as soon as the history differed."""
+    docs = ["The lighthouse keeper logs every ship at dawn.",
+            "The harbour closes when the north wind blows."]
+    system = {"role": "system", "content": "Answer from the documents."}
+    first = client.chat.completions.create(
+        model=MODEL, max_tokens=2, temperature=0, extra_body={"documents": docs},
+        messages=[system, {"role": "user", "content": "When does the harbour close?"}])
+    again = client.chat.completions.create(
+        model=MODEL, max_tokens=2, temperature=0, extra_body={"documents": docs},
+        messages=[system, {"role": "user", "content": "Hello"},
+                  {"role": "assistant", "content": "Hi! Ask me about the harbour."},
+                  {"role": "user", "content": "Who logs the ships?"}])
+    # The documents are at least one token per word.
+    doc_words = sum(len(d.split()) for d in docs)
+    assert first.usage.prompt_tokens_details.cached_tokens < doc_words
+    assert again.usage.prompt_tokens_details.cached_tokens >= doc_words
+

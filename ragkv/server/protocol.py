@@ -22,8 +22,15 @@ class ErrorResponse(Exception):
         self.param = param
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        return {"error": {"message": _printable(self.message), "type": self.type,
+                          "param": None if self.param is None else _printable(self.param),
                           "code": self.status}}
+
+
+def _printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate echoed from the request)
+    escaped, so that writing the error can never fail."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # Strict: JSON `true` is not the integer 1 and "1" is not a number; a token id must be an
