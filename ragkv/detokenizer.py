@@ -17,34 +17,38 @@ class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "skip_special_tokens", "text", "num_seen", "prefix_offset",
                  "read_offset")
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, start: int = 0) -> None:
+        """`start`: where the text begins in the token lists given later (the prompt length,
+        for a request's prompt + output list), so callers never copy the output out."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.text = ""  # stable text: never changes once emitted
-        self.num_seen = 0  # tokens of the output processed so far
-        self.prefix_offset = 0
-        self.read_offset = 0
+        self.num_seen = start  # tokens processed so far (end index)
+        self.prefix_offset = start
+        self.read_offset = start
 
-    def update(self, token_ids: list[int]) -> int:
-        """Take in the tokens of `token_ids` (the whole output so far; earlier calls saw a
-        prefix of it) not seen yet. Returns how many characters `text` grew by."""
+    def update(self, token_ids: list[int], end: int | None = None) -> int:
+        """Take in `token_ids[:end]` (earlier calls saw a prefix of the same list) up to the
+        end. Returns how many characters `text` grew by."""
+        end = len(token_ids) if end is None else end
         before = len(self.text)
-        for n in range(self.num_seen + 1, len(token_ids) + 1):
+        for n in range(self.num_seen + 1, end + 1):
             prefix, full = self._window(token_ids, n)
             if len(full) > len(prefix) and not full.endswith(_REPLACEMENT):
                 self.text += full[len(prefix):]
                 self.prefix_offset = self.read_offset
                 self.read_offset = n
-        self.num_seen = max(self.num_seen, len(token_ids))
+        self.num_seen = max(self.num_seen, end)
         return len(self.text) - before
 
-    def finish(self, token_ids: list[int]) -> str:
-        """The final text of `token_ids`, including a trailing incomplete character."""
-        self.update(token_ids)
-        prefix, full = self._window(token_ids, len(token_ids))
+    def finish(self, token_ids: list[int], end: int | None = None) -> str:
+        """The final text of `token_ids[:end]`, including a trailing incomplete character."""
+        end = len(token_ids) if end is None else end
+        self.update(token_ids, end)
+        prefix, full = self._window(token_ids, end)
         if len(full) > len(prefix):
             self.text += full[len(prefix):]
-            self.prefix_offset = self.read_offset = len(token_ids)
+            self.prefix_offset = self.read_offset = end
         return self.text
 
     def truncate(self, length: int) -> None:

@@ -108,10 +108,10 @@ def test_failure_while_detokenizing_one_request_fails_only_it(llm, monkeypatch):
     original = IncrementalDetokenizer.update
     doomed = set()
 
-    def update(self, token_ids):
+    def update(self, token_ids, end=None):
         if id(self) in doomed:
             raise UnicodeError("injected decode fault")
-        return original(self, token_ids)
+        return original(self, token_ids, end)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", update)
     engine = llm.engine

@@ -181,7 +181,8 @@ class Engine:
                 metrics=RequestMetrics(arrival_time=arrival), layout=layout,
                 system=system, chunks=chunks, namespace=namespace,
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
-                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
+                                                   start=len(token_ids)),
             ))
         self._parents[request_id] = children
         for child in children:
@@ -319,7 +320,7 @@ class Engine:
         """Look for a stop string in the text the last token added (and the few characters
         before it that a stop string could start in); cut the text there if found."""
         detok = req.detokenizer
-        added = detok.update(req.output_token_ids)
+        added = detok.update(req.token_ids)
         if not added:
             return False
         text = detok.text
@@ -339,10 +340,11 @@ class Engine:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if not isinstance(req.stop_reason, str):  # a stop string already cut the text
-            ids = req.output_token_ids
-            if status is RequestStatus.FINISHED_STOPPED and ids and ids[-1] in req.stop_ids:
-                ids = ids[:-1]  # the stop token's text is not part of the output (vLLM)
-            req.text = req.detokenizer.finish(ids)
+            ids, end = req.token_ids, req.num_tokens
+            if (status is RequestStatus.FINISHED_STOPPED and req.num_output_tokens
+                    and ids[-1] in req.stop_ids):
+                end -= 1  # the stop token's text is not part of the output (vLLM)
+            req.text = req.detokenizer.finish(ids, end)
         req.metrics.finished_time = time.monotonic()
         self.scheduler.finish(req, status)
 
@@ -404,7 +406,7 @@ class Engine:
     def _partial_text(req: Request) -> str:
         """The stable text of an unfinished request (an incomplete last character is held
         back), brought up to date incrementally."""
-        req.detokenizer.update(req.output_token_ids)
+        req.detokenizer.update(req.token_ids)
         return req.detokenizer.text
 
     def stats(self) -> EngineStats:

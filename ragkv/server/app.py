@@ -39,7 +39,8 @@ class ServerConfig:
 
 
 def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="ragkv", docs_url=None, redoc_url=None)
+    # No slash redirects: they would answer with a Location built from the client's Host header.
+    app = FastAPI(title="ragkv", docs_url=None, redoc_url=None, redirect_slashes=False)
     tokenizer = engine.engine.tokenizer
 
     @app.exception_handler(HTTPException)

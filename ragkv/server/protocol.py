@@ -34,7 +34,8 @@ def _printable(text: str) -> str:
 
 
 # Strict: JSON `true` is not the integer 1 and "1" is not a number; a token id must be an
-# integer (as in the OpenAI API). Unknown fields are still ignored.
+# integer (as in the OpenAI API). Unknown fields are still ignored, and null means the default
+# wherever the OpenAI API allows it.
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
@@ -48,7 +49,7 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: str
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -56,23 +57,23 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    stream: bool = False
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
     user: str | None = None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.n,
+            n=1 if self.n is None else self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            max_tokens=max_tokens, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            max_tokens=max_tokens, ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens is not False,
         )
 
 
@@ -80,7 +81,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
@@ -103,7 +104,11 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise ErrorResponse(400, f"unsupported content part type {part.get('type')!r}:"
                                          " only text is supported", param="messages")
-            parts.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ErrorResponse(400, "a text content part needs a string 'text'",
+                                    param="messages")
+            parts.append(text)
         return "".join(parts)
 
 
@@ -111,7 +116,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
     documents: list[str] | None = None
 
