@@ -270,4 +270,8 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
 def _render(tokenizer, messages: list[dict]) -> str:
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the model's tokenizer has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 (a template may raise anything, e.g. on a role)
+        raise ValueError(f"the chat template rejected the messages: {e}") from None

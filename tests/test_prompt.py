@@ -4,6 +4,8 @@ where the documents go."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from ragkv.prompt import ChunkedPrompt, PromptRules, RAGPrompt, parse_prompt, split_chat_prompt
@@ -290,5 +292,9 @@ def test_chat_errors(tok):
         split_chat_prompt(tok, [SYSTEM_MSG], documents=DOCS)
     with pytest.raises(ValueError, match=r"documents\[1\] is not valid Unicode"):
         split_chat_prompt(tok, [{"role": "user", "content": "q"}], documents=["a", "\ud800"])
+    strict = copy.copy(tok)
+    strict.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="chat template rejected the messages: roles must"):
+        split_chat_prompt(strict, [{"role": "user", "content": "q"}])
     with pytest.raises(ValueError, match=r"messages\[0\].content is not valid Unicode"):
         split_chat_prompt(tok, [{"role": "user", "content": "q\udfff"}])
