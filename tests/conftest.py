@@ -156,3 +156,26 @@ def server_process(model: str, *args: str, env: dict | None = None, log_path: st
             proc.kill()
         if log is not None:
             log.close()
+
+
+def server_integrity(base: str, key: str | None) -> dict:
+    """`/debug/integrity` of a test server; fails the test unless the report is ok."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{base}/debug/integrity", timeout=30, headers=headers)
+    assert r.status_code == 200, r.text
+    report = r.json()
+    assert report["ok"], report
+    return report
+
+
+def server_wait_idle(base: str, key: str | None, timeout: float = 30) -> dict:
+    """The integrity report once nothing runs or waits (or when the timeout is up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        report = server_integrity(base, key)
+        idle = report["num_running"] == 0 and report["num_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            return report
+        time.sleep(0.2)

@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import running_server
+from conftest import running_server, server_integrity, server_wait_idle
 from openai import OpenAI
 
 from ragkv import LLM, RAGPrompt, SamplingParams
@@ -39,21 +39,11 @@ def offline() -> LLM:
 
 
 def integrity(base: str) -> dict:
-    report = httpx.get(f"{base}/debug/integrity", timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}"}).json()
-    assert report["ok"], report
-    return report
+    return server_integrity(base, KEY)
 
 
 def wait_idle(base: str, timeout: float = 30) -> dict:
-    """The integrity report once nothing runs or waits (or when the timeout is up)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        report = integrity(base)
-        idle = report["num_running"] == 0 and report["num_waiting"] == 0
-        if idle or time.monotonic() > deadline:
-            return report
-        time.sleep(0.2)
+    return server_wait_idle(base, KEY, timeout)
 
 
 def metric(base: str, name: str) -> float:

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from conftest import running_server
+from conftest import running_server, server_integrity, server_wait_idle
 
 MODEL = "builtin:tiny"
 KEY = "sk-fuzz-key"
@@ -786,22 +786,11 @@ def stream_problems(streamed: Streamed, want_text: str) -> list[str]:
 
 
 def integrity(base: str) -> dict:
-    r = httpx.get(f"{base}/debug/integrity", headers=dict(AUTH), timeout=30)
-    assert r.status_code == 200, r.text
-    report = r.json()
-    assert report["ok"], report
-    return report
+    return server_integrity(base, KEY)
 
 
 def wait_idle(base: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        report = integrity(base)
-        if report["num_running"] == 0 and report["num_waiting"] == 0:
-            return report
-        if time.monotonic() > deadline:
-            return report
-        time.sleep(0.2)
+    return server_wait_idle(base, KEY, timeout)
 
 
 def assert_normal_requests_work(base: str) -> None:
