@@ -39,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--max-n", type=int, default=128,
                         help="largest n (completions per prompt) a request may ask for")
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                        default="auto",
+                        help="attention kernels: auto = triton on CUDA when it imports, else torch")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no CUDA graphs: run every decode step eagerly")
     parser.add_argument("--debug-checks", action="store_true",
                         help="check the scheduler's invariants after every step")
 

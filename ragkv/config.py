@@ -7,6 +7,7 @@ here and returned, never patched into the config.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -57,6 +58,10 @@ class EngineConfig:
     chunk_hash_algo: str = "sha256"
     # Check the scheduler's invariants after every step (also on with RAGKV_DEBUG_CHECKS=1).
     debug_checks: bool = False
+    # Attention kernels: "auto" is "triton" on CUDA when Triton imports, else "torch".
+    attention_backend: str = "auto"
+    # Run every step eagerly: no CUDA graphs for decode (vLLM's --enforce-eager).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs", "max_n"):
@@ -89,6 +94,9 @@ class EngineConfig:
         if self.chunk_separator is not None and (
                 not isinstance(self.chunk_separator, str) or not self.chunk_separator.strip()):
             raise ValueError("chunk_separator must be a non-blank string or None")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got "
+                             f"{self.attention_backend!r}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -98,11 +106,16 @@ class EngineConfig:
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "auto":
+    """`auto` is CUDA when present, else CPU; the environment variable RAGKV_DEVICE replaces
+    `auto` (the test suite sets it to `cpu` so that only GPU tests touch a GPU)."""
+    name = config.device
+    if name == "auto":
+        name = os.environ.get("RAGKV_DEVICE", "auto") or "auto"
+    if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(config.device)
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={config.device!r} but CUDA is not available on this machine")
+        raise ValueError(f"device={name!r} but CUDA is not available on this machine")
     return device
 
 

@@ -19,6 +19,31 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Check the scheduler's invariants after every step, in-process and in served subprocesses.
 os.environ.setdefault("RAGKV_DEBUG_CHECKS", "1")
+# Tests compare against float32 references on the CPU; only GPU tests (marked `gpu`) ask for
+# CUDA by name. Without a GPU, Triton kernels run through Triton's interpreter.
+os.environ.setdefault("RAGKV_DEVICE", "cpu")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _patch_triton_interpreter() -> None:
+    """Triton's interpreter turns a loaded scalar (a 1-element array there) into a loop bound
+    with int(array), which NumPy >= 2.4 refuses for arrays of one dimension."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_triton_interpreter()
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB = 4096

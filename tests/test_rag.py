@@ -127,8 +127,24 @@ def llama(checkpoint, hf_model):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_rag_scenarios_match_reference(family, checkpoint, hf_model):
     path = checkpoint(family)
-    hf = hf_model(path)
-    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    rag_scenarios(make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512), hf_model(path))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_rag_scenarios_on_the_triton_backend(family, checkpoint, hf_model):
+    """The Triton kernels end to end: on a GPU compiled, in float32 against the float32 CPU
+    reference, with decode through CUDA graphs; without one, through Triton's interpreter."""
+    pytest.importorskip("triton")
+    path = checkpoint(family)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
+                   dtype="float32", attention_backend="triton")
+    assert llm.engine.runner.backend.name == "triton"
+    assert (llm.engine.runner.graphs is not None) == (device == "cuda")
+    rag_scenarios(llm, hf_model(path))
+
+
+def rag_scenarios(llm, hf) -> None:
     S = random_prompt(9, seed=1)
     A, B, C, D, E = (random_prompt(n, seed=10 + n) for n in (14, 22, 6, 17, 11))
     Q1, Q2 = random_prompt(5, seed=2), random_prompt(7, seed=3)

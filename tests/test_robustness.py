@@ -304,15 +304,16 @@ def test_per_step_host_work_does_not_grow_with_the_output(llm, monkeypatch):
         return original_decode(self, ids, *args, **kwargs)
 
     copied = []
-    runner = llm.engine.runner
-    original_table = runner.slot_table
+    table = llm.engine.slot_table
+    original_sync = table.sync
 
-    def slot_table(kv):
-        copied.append(len(kv.slots) - kv.num_mirrored)
-        return original_table(kv)
+    def sync(seqs):
+        seqs = list(seqs)
+        copied.extend(len(kv.slots) - kv.num_mirrored for kv in seqs)
+        return original_sync(seqs)
 
     monkeypatch.setattr(type(tok), "decode", decode)
-    monkeypatch.setattr(runner, "slot_table", slot_table)
+    monkeypatch.setattr(table, "sync", sync)
     engine = llm.engine
     params = SamplingParams(max_tokens=200, ignore_eos=True, stop=["never-appears-here"])
     for i in range(3):

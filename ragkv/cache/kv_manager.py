@@ -22,10 +22,10 @@ class SeqKV:
     handle: RadixHandle | None = None
     borrowed: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in slots
     namespace: str = ""  # prefix-cache namespace: the request's cache salt
-    # The runner keeps `slots` mirrored in a device tensor (`mirror`, opaque here), copying
-    # only what was appended since the last step; its first `num_mirrored` entries are known
-    # to equal `slots`. Whoever rewrites slots[i:] in place lowers it to at most i.
-    mirror: object = None
+    # The slot table (slot_table.py) mirrors `slots` in its row `row` (0: none yet), copying
+    # only what was appended since the last step; the row's first `num_mirrored` entries are
+    # known to equal `slots`. Whoever rewrites slots[i:] in place lowers it to at most i.
+    row: int = 0
     num_mirrored: int = 0
 
     def own_slots(self) -> list[int]:
@@ -43,6 +43,8 @@ class KVCacheManager:
     def __init__(self, allocator: SlotAllocator, enable_prefix_caching: bool) -> None:
         self.allocator = allocator
         self.radix = RadixCache(allocator) if enable_prefix_caching else None
+        # Set by the engine: released sequences give their row back to it.
+        self.slot_table = None
 
     @property
     def capacity(self) -> int:
@@ -104,6 +106,8 @@ class KVCacheManager:
         seq.num_tree = 0
         seq.handle = None
         seq.borrowed = []
+        if self.slot_table is not None:
+            self.slot_table.release(seq)
         seq.num_mirrored = 0
 
     def check_integrity(self, live: list[SeqKV] = ()) -> None:

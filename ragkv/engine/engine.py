@@ -13,6 +13,7 @@ import torch
 from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
 from ..cache.kv_manager import KVCacheManager, SeqKV
 from ..cache.kv_pool import KVPool, SlotAllocator
+from ..cache.slot_table import SlotTable
 from ..config import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_GPU_KV_FRACTION,
@@ -43,6 +44,8 @@ logger = logging.getLogger("ragkv")
 # Default pool size cap: the free list is a Python list, and a pool far larger than the
 # workload only costs start-up time.
 _DEFAULT_MAX_KV_TOKENS = 262_144
+# Largest decode batch captured in a CUDA graph (vLLM captures up to 512); larger ones run eagerly.
+_MAX_GRAPH_BATCH = 256
 
 
 # The only strategy built so far: chunks share positions after S and see only S and themselves.
@@ -112,8 +115,21 @@ class Engine:
                                         config.max_chunk_tokens, config.oversize_chunk,
                                         max_chars)
         self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{STRATEGY}"
-        self.runner = ModelRunner(self.model, self.pool, get_attention_backend("torch"),
-                                  self.device)
+        # One row per running sequence (max_num_seqs) plus the padding row.
+        self.slot_table = SlotTable(config.max_num_seqs, self.max_model_len, self.device)
+        self.kv.slot_table = self.slot_table
+        backend = get_attention_backend(config.attention_backend, self.device)
+        if self.device.type == "cuda" and backend.name == "triton":
+            self.model.use_fused_kernels()
+        self.runner = ModelRunner(self.model, self.pool, backend, self.slot_table, self.device)
+        if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
+            from ..model.cuda_graph import DecodeGraphs
+
+            graphs = DecodeGraphs(self.model, self.pool, backend, self.slot_table,
+                                  min(config.max_num_seqs, _MAX_GRAPH_BATCH), self.max_model_len)
+            graphs.capture()
+            self.runner.graphs = graphs
+        self.runner.warmup(min(config.max_num_batched_tokens, self.max_model_len))
         self.eos_token_ids = frozenset(self._eos_ids())
         self._rng = random.Random(config.seed)
         self._parents: dict[str, list[Request]] = {}
@@ -438,6 +454,7 @@ class Engine:
         are exactly the live requests' references."""
         live = self.scheduler.live()
         self.kv.check_integrity([r.kv for r in live])
+        self.slot_table.check_integrity(r.kv for r in live)
         if self.chunk_cache is not None:
             pins: dict[int, int] = {}
             for req in live:

@@ -37,6 +37,12 @@ class AttentionMetadata:
     self_only: list[bool]
     # For dynamic RoPE: each sequence's length after this step.
     seq_lens: list[int]
+    # The persistent slot table (cache/slot_table.py) and each sequence's row in it; where
+    # `prefix[i]`, sequence i's KV list is the first kv_lens[i] entries of its row.
+    table: torch.Tensor | None = None
+    rows: list[int] = field(default_factory=list)
+    prefix: list[bool] = field(default_factory=list)
+    num_kv_heads: int = 0
     backend_state: object = field(default=None)
 
     @property
@@ -144,14 +150,20 @@ class TorchAttentionBackend:
         return out
 
 
-_BACKENDS = {"torch": TorchAttentionBackend}
+def get_attention_backend(name: str = "torch",
+                          device: torch.device | None = None) -> AttentionBackend:
+    """The backend called `name`; "auto" is Triton on CUDA when it imports, else torch.
+    Triton is imported only when asked for, so CPU machines never need it."""
+    if name == "auto":
+        if device is None or device.type != "cuda":
+            return TorchAttentionBackend()
+        from . import triton_attention
 
+        name = "triton" if triton_attention.available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from .triton_attention import TritonAttentionBackend
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """Backends are looked up by name; optional GPU kernels register here with lazy imports."""
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: {', '.join(_BACKENDS)}"
-        ) from None
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: auto, torch, triton")

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import triton_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -25,8 +27,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = empty_param(dim, dtype=dtype, device=device)
         self.eps = eps
+        self.fused = False  # one Triton kernel (CUDA); set by CausalLM.use_fused_kernels
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x): the residual stream's add fused in."""
+        if self.fused:
+            return triton_ops.rms_norm(x, self.weight, self.eps, residual)
+        total = residual + x
+        return self.forward(total), total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return triton_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused kernel; the same arithmetic as below when nothing needs casting.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -65,9 +78,14 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
         self.act = _ACTIVATIONS[act]
+        self.silu = act == "silu"
+        self.fused = False  # silu(gate) * up in one Triton kernel (CUDA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj.forward(x)
+        if self.fused and self.silu:
+            return self.down_proj.forward(triton_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj.forward(self.act(gate) * up)
 
 

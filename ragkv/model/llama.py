@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..cache.kv_pool import KVPool
+from . import triton_ops
 from .attention import AttentionBackend, AttentionMetadata
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 from .model_config import ModelConfig
@@ -35,10 +36,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
+        # RoPE on q and k plus the K/V store in one Triton kernel (CUDA, no q/k norm).
+        self.fused = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
                 pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.fused:
+            k_cache, v_cache = pool.k[layer], pool.v[layer]
+            q = triton_ops.rope_store(self.qkv_proj.forward(x), cos, sin, heads, kv_heads,
+                                      self.head_dim, k_cache, v_cache, meta.write_slots)
+            out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+            return self.o_proj.forward(out.reshape(-1, self.q_size))
         qkv = self.qkv_proj.forward(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads:]
         if self.q_norm is None:
@@ -87,16 +96,33 @@ class CausalLM(nn.Module):
                 logits_indices: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
-        h = self.embed_tokens[input_ids]
+        residual = self.embed_tokens[input_ids]
         # Sub-modules are called through .forward: no hooks are used, and skipping
         # nn.Module.__call__ matters when a decode step is a few hundred tiny ops.
+        # The residual stream's adds happen inside the next norm (forward_add): the same
+        # arithmetic as h = h + f(h), one kernel fewer per add where the norm is fused.
+        h = None
         for i, layer in enumerate(self.layers):
-            attn_in = layer.input_layernorm.forward(h)
-            h = h + layer.self_attn.forward(attn_in, cos, sin, i, pool, meta, backend)
-            h = h + layer.mlp.forward(layer.post_attention_layernorm.forward(h))
-        h = self.norm.forward(h[logits_indices])
+            if h is None:
+                attn_in = layer.input_layernorm.forward(residual)
+            else:
+                attn_in, residual = layer.input_layernorm.forward_add(h, residual)
+            h = layer.self_attn.forward(attn_in, cos, sin, i, pool, meta, backend)
+            mlp_in, residual = layer.post_attention_layernorm.forward_add(h, residual)
+            h = layer.mlp.forward(mlp_in)
+        h = self.norm.forward(residual[logits_indices] + h[logits_indices])
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return torch.nn.functional.linear(h, head).float()
+
+    def use_fused_kernels(self) -> None:
+        """Switch the norms, the MLP activation and RoPE + KV store to the fused Triton
+        kernels of triton_ops.py (CUDA with the Triton attention backend)."""
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = True
+        for layer in self.layers:
+            if layer.self_attn.q_norm is not None:  # Qwen3: q/k norms before RoPE
+                layer.self_attn.fused = False
 
     def weight_targets(self) -> Iterator[tuple[str, torch.Tensor, int, int]]:
         """(HF checkpoint name, destination parameter, row offset, rows) for every weight."""

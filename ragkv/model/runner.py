@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from ..cache.kv_manager import SeqKV
 from ..cache.kv_pool import KVPool
+from ..cache.slot_table import SlotTable
 from .attention import AttentionBackend, AttentionMetadata
 from .llama import CausalLM
 
@@ -29,49 +29,35 @@ class Work(Protocol):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend,
-                 device: torch.device) -> None:
+                 slot_table: SlotTable, device: torch.device) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
+        self.slot_table = slot_table
         self.device = device
-
-    def slot_table(self, kv: SeqKV) -> torch.Tensor:
-        """`kv.slots` as a device tensor, kept between steps: only the entries added (or
-        rewritten) since the last step are copied, so a decode step costs O(1) per sequence
-        here however long its context is."""
-        n = len(kv.slots)
-        table = kv.mirror
-        if table is None or table.numel() < n:
-            grown = torch.empty(max(n, 64, 2 * (0 if table is None else table.numel())),
-                                dtype=torch.long, device=self.device)
-            if table is not None and kv.num_mirrored:
-                grown[:kv.num_mirrored] = table[:kv.num_mirrored]
-            kv.mirror = table = grown
-        if kv.num_mirrored < n:
-            start = kv.num_mirrored
-            table[start:n] = torch.tensor(kv.slots[start:n], dtype=torch.long).to(self.device)
-            kv.num_mirrored = n
-        return table
+        self.graphs = None  # DecodeGraphs (cuda_graph.py) once captured
 
     @torch.inference_mode()
     def execute(self, works: Sequence[Work]) -> torch.Tensor:
         """Run one step; returns float32 logits [number of works with sample=True, vocab]."""
+        kvs = {id(w.request.kv): w.request.kv for w in works}
+        self.slot_table.sync(kvs.values())
+        if self.graphs is not None and self.graphs.can_run(works):
+            return self.graphs.run(works)
+        table = self.slot_table.table
         input_ids: list[int] = []
         positions: list[int] = []
         q_lens, kv_lens, q_starts, self_only, seq_lens = [], [], [], [], []
+        rows, prefix = [], []
         kv_indices: list[torch.Tensor] = []
         logits_rows: list[int] = []
-        tables: dict[int, torch.Tensor] = {}
         for w in works:
-            kv = w.request.kv
-            table = tables.get(id(kv))
-            if table is None:
-                table = tables[id(kv)] = self.slot_table(kv)
+            row = w.request.kv.row
             spans = w.kv_spans
             if len(spans) == 1:
-                index = table[spans[0][0]:spans[0][1]]
+                index = table[row, spans[0][0]:spans[0][1]]
             else:
-                index = torch.cat([table[a:b] for a, b in spans])
+                index = torch.cat([table[row, a:b] for a, b in spans])
             q, k = len(w.token_ids), index.numel()
             q_starts.append(len(input_ids))
             input_ids.extend(w.token_ids)
@@ -81,19 +67,46 @@ class ModelRunner:
             kv_lens.append(k)
             self_only.append(q == k)
             seq_lens.append(max(w.positions) + 1)
+            rows.append(row)
+            prefix.append(len(spans) == 1 and spans[0][0] == 0)
             if w.sample:
                 logits_rows.append(len(input_ids) - 1)
         dev = self.device
         write_slots = torch.cat([idx[k - q:] for idx, q, k in zip(kv_indices, q_lens, kv_lens,
-                                                                   strict=True)])
+                                                                   strict=True)]).long()
         meta = AttentionMetadata(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
-            write_slots=write_slots, self_only=self_only, seq_lens=seq_lens,
+            write_slots=write_slots, self_only=self_only, seq_lens=seq_lens, table=table,
+            rows=rows, prefix=prefix, num_kv_heads=self.pool.k.shape[2],
         )
         self.backend.prepare(meta)
+        host = torch.tensor([input_ids, positions], dtype=torch.long)
+        ids_pos = host.to(dev, non_blocking=True)
         return self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            ids_pos[0], ids_pos[1], torch.tensor(logits_rows, dtype=torch.long).to(dev),
             self.pool, meta, self.backend,
         )
+
+    @torch.inference_mode()
+    def warmup(self, num_tokens: int) -> None:
+        """On CUDA, run the kernels of an extend and a decode step once at start-up, so that
+        compiling them (Triton) or choosing their algorithms (cuBLAS) never delays a request.
+        Their kernels take every length as data, so one shape stands for all. The dummy
+        steps read and write only the padding slot 0, which is zeroed again after."""
+        if self.device.type != "cuda":
+            return
+        for q_len, kv_len in ((num_tokens, num_tokens), (1, 2)):
+            index = torch.zeros(kv_len, dtype=torch.int32, device=self.device)
+            meta = AttentionMetadata(
+                q_lens=[q_len], kv_lens=[kv_len], q_starts=[0], kv_indices=[index],
+                write_slots=index[kv_len - q_len:].long(), self_only=[q_len == kv_len],
+                seq_lens=[kv_len], table=self.slot_table.table, rows=[0],
+                prefix=[q_len < kv_len], num_kv_heads=self.pool.k.shape[2],
+            )
+            self.backend.prepare(meta)
+            ids = torch.zeros(q_len, dtype=torch.long, device=self.device)
+            positions = torch.arange(kv_len - q_len, kv_len, device=self.device)
+            last = torch.tensor([q_len - 1], device=self.device)
+            self.model(ids, positions, last, self.pool, meta, self.backend)
+        self.pool.kv[:, :, 0].zero_()
+        torch.cuda.synchronize(self.device)

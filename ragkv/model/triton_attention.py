@@ -1,0 +1,348 @@
+"""Triton attention kernels over token-slot KV lists (the GPU backend of attention.py).
+
+Two kernels implement the contract of `attention.py` (per-sequence slot list, bottom-right
+causal, positions separate, GQA):
+- `extend`: a flash-attention pass per (sequence, block of queries, head) that gathers K/V
+  rows by slot from a ragged index list. It serves prefill, chunk jobs (S + the chunk's own
+  slots), the question over cached chunks and chunked prefill alike;
+- `decode`: split-KV flash decoding for one query token per sequence. Each program takes one
+  KV head and a slice of the sequence's KV for all query heads of its group (the group's rows
+  form the tile, so K/V are read once per group), and a second kernel merges the slices by
+  their log-sum-exp. Its KV list is a prefix of the sequence's row in the persistent slot
+  table, read on the device: nothing about a decode step's KV is built on the host, which is
+  what lets a CUDA graph replay it.
+
+Triton is imported lazily (it ships with CUDA builds of PyTorch). With TRITON_INTERPRET=1 the
+kernels run on CPU tensors through Triton's interpreter, which is how CPU-only CI tests them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from .attention import AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+    tl = None
+
+# KV positions per program in the decode kernel's inner loop, and the most splits of one
+# sequence's KV (the merge kernel reduces them in one tile).
+DECODE_BLOCK_N = 64
+MAX_SPLITS = 64
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    # Lengths, offsets and counts are data, never specialised on, so no new length or batch
+    # ever compiles a new kernel.
+    @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens"])
+    def _extend_kernel(
+        Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+        scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        block = tl.program_id(1)
+        head = tl.program_id(2)
+        q_len = tl.load(q_lens + seq)
+        if block * BLOCK_M >= q_len:
+            return
+        q_start = tl.load(q_starts + seq)
+        kv_begin = tl.load(kv_indptr + seq)
+        kv_len = tl.load(kv_indptr + seq + 1) - kv_begin
+        kv_head = head // GROUP
+        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        m_valid = offs_m < q_len
+        d_valid = offs_d < HEAD_DIM
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+                    + offs_d[None, :], mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+        # Query t (of q_len) sees entries 0 .. kv_len - q_len + t of the list.
+        diag = kv_len - q_len
+        hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_base = K + kv_head * stride_kh
+        v_base = V + kv_head * stride_kh
+        # Entry 0 is visible to every row, so after the first block no row's max is -inf.
+        for start in range(0, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < hi
+            slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
+            k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
+                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+            qk = tl.dot(q, k, input_precision=PRECISION)
+            qk = qk * scale
+            visible = (offs_n[None, :] <= diag + offs_m[:, None]) & n_valid[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+    @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits"])
+    def _decode_kernel(
+        Q, K, V, table, rows, kv_lens, q_rows, mid_o, mid_lse,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
+        stride_mb, stride_mh, stride_ms,
+        scale, num_splits,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        kv_len = tl.load(kv_lens + b)
+        row = tl.load(rows + b).to(tl.int64)
+        q_row = tl.load(q_rows + b).to(tl.int64)
+        per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_len)
+        offs_h = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + offs_h
+        h_valid = offs_h < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < HEAD_DIM
+        q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_valid[:, None] & d_valid[None, :], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        k_base = K + kv_head * stride_kh
+        v_base = V + kv_head * stride_kh
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < hi
+            slots = tl.load(table + row * stride_table + offs_n, mask=n_valid,
+                            other=0).to(tl.int64)
+            k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
+                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+            qk = tl.dot(q, k, input_precision=PRECISION)
+            qk = tl.where(n_valid[None, :], qk * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp(qk - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        # An empty slice (past the end of a short sequence) leaves lse = -inf and no output;
+        # the merge skips it.
+        empty = hi <= lo
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        base = b * stride_mb + heads * stride_mh + split * stride_ms
+        # mid_o is contiguous [B, H, S, D]: its offsets are mid_lse's times HEAD_DIM.
+        tl.store(mid_lse + base, lse, mask=h_valid)
+        tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=h_valid[:, None] & d_valid[None, :] & (hi > lo))
+
+    @triton.jit(do_not_specialize=["q_rows", "num_splits"])
+    def _merge_kernel(
+        mid_o, mid_lse, Out, q_rows, stride_ot, stride_oh, stride_mb, stride_mh, num_splits,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        s_valid = offs_s < num_splits
+        base = b * stride_mb + head * stride_mh
+        lse = tl.load(mid_lse + base + offs_s, mask=s_valid, other=float("-inf"))
+        top = tl.max(lse, 0)
+        weight = tl.exp(lse - top)  # 0 for empty slices
+        used = weight > 0
+        o = tl.load(mid_o + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=used[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
+        q_row = tl.load(q_rows + b).to(tl.int64)
+        tl.store(Out + q_row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+                 mask=offs_d < HEAD_DIM)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor, kv_index: torch.Tensor, kv_indptr: torch.Tensor,
+                     q_starts: torch.Tensor, q_lens: torch.Tensor, max_q_len: int,
+                     scale: float) -> None:
+    """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
+    (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`."""
+    num_seqs = q_starts.numel()
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k_cache.shape[1]
+    block_d = max(16, _next_pow2(head_dim))
+    # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if q.device.type == "cuda":
+        block_m, block_n = (128, 64) if block_d <= 64 else (128, 32 if precision == "ieee" else 64)
+        num_warps, num_stages = (4 if block_d <= 64 else 8), 2
+    else:  # the interpreter: small tiles keep it quick
+        block_m, block_n, num_warps, num_stages = 16, 16, 1, 1
+    grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1), scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """How many slices to cut each sequence's KV into: enough programs to fill the GPU
+    (two waves of its multiprocessors), no slice shorter than one block."""
+    if device.type != "cuda":
+        return max(1, min(4, math.ceil(max_kv_len / DECODE_BLOCK_N)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = math.ceil(2 * sms / max(1, batch * num_kv_heads))
+    return max(1, min(MAX_SPLITS, want, math.ceil(max_kv_len / DECODE_BLOCK_N)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                     kv_lens: torch.Tensor, q_rows: torch.Tensor, num_splits: int,
+                     scale: float, scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> None:
+    """One query row per sequence (`q[q_rows[b]]`) over the first `kv_lens[b]` slots of
+    `table[rows[b]]`, written into `out[q_rows[b]]`. Reads lengths and rows on the device
+    only, so a captured graph replays it for any lengths."""
+    batch = rows.numel()
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if scratch is None:
+        scratch = decode_scratch(batch, heads, head_dim, num_splits, q.device)
+    mid_o, mid_lse = scratch
+    block_d = max(16, _next_pow2(head_dim))
+    # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    cuda = q.device.type == "cuda"
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, table, rows, kv_lens, q_rows, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+        mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
+        scale, num_splits,
+        GROUP=group, BLOCK_H=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, num_warps=4 if cuda else 1,
+        num_stages=2 if cuda else 1,
+    )
+    _merge_kernel[(batch, heads)](
+        mid_o, mid_lse, out, q_rows, out.stride(0), out.stride(1),
+        mid_lse.stride(0), mid_lse.stride(1), num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(num_splits)),
+        num_warps=4 if cuda else 1,
+    )
+
+
+def decode_scratch(batch: int, heads: int, head_dim: int, num_splits: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-slice partial outputs [B, H, S, D] and their log-sum-exps [B, H, S] (float32)."""
+    return (torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device))
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Device inputs of the decode kernel; a CUDA graph keeps one per captured batch size and
+    fills it in place before each replay."""
+
+    rows: torch.Tensor  # [B] int32: each sequence's row of the slot table
+    kv_lens: torch.Tensor  # [B] int32
+    q_rows: torch.Tensor  # [B] int32: its query row in the step's tokens
+    num_splits: int
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class _TritonState:
+    decode: DecodeBatch | None = None
+    extend: tuple[torch.Tensor, ...] | None = None  # kv_index, kv_indptr, q_starts, q_lens
+    max_q_len: int = 0
+
+
+class TritonAttentionBackend:
+    """Triton kernels for CUDA. Decode rows are sequences with one query token whose KV list
+    is a prefix of their slot-table row; every other sequence goes through `extend`."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        if triton is None:
+            raise ValueError("attention_backend='triton' needs Triton (it ships with CUDA "
+                             "builds of PyTorch; `pip install triton`)")
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        state = _TritonState()
+        device = meta.write_slots.device
+        decode = [i for i in range(meta.num_seqs) if meta.q_lens[i] == 1 and meta.prefix[i]]
+        extend = [i for i in range(meta.num_seqs) if not (meta.q_lens[i] == 1 and meta.prefix[i])]
+        if decode:
+            host = torch.tensor([[meta.rows[i] for i in decode],
+                                 [meta.kv_lens[i] for i in decode],
+                                 [meta.q_starts[i] for i in decode]], dtype=torch.int32)
+            dev = host.to(device, non_blocking=True)
+            max_kv = max(meta.kv_lens[i] for i in decode)
+            state.decode = DecodeBatch(
+                rows=dev[0], kv_lens=dev[1], q_rows=dev[2],
+                num_splits=decode_splits(len(decode), meta.num_kv_heads, max_kv, device))
+        if extend:
+            kv_index = torch.cat([meta.kv_indices[i] for i in extend])
+            indptr = [0]
+            for i in extend:
+                indptr.append(indptr[-1] + meta.kv_lens[i])
+            host = torch.tensor([indptr, [meta.q_starts[i] for i in extend] + [0],
+                                 [meta.q_lens[i] for i in extend] + [0]], dtype=torch.int32)
+            dev = host.to(device, non_blocking=True)
+            state.extend = (kv_index, dev[0], dev[1, :-1], dev[2, :-1])
+            state.max_q_len = max(meta.q_lens[i] for i in extend)
+        meta.backend_state = state
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = pool.k[layer], pool.v[layer]
+        k_cache.index_copy_(0, meta.write_slots, k)
+        v_cache.index_copy_(0, meta.write_slots, v)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    @staticmethod
+    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        state: _TritonState = meta.backend_state
+        out = torch.empty_like(q)
+        if state.extend is not None:
+            kv_index, indptr, q_starts, q_lens = state.extend
+            extend_attention(q, k_cache, v_cache, out, kv_index, indptr, q_starts, q_lens,
+                             state.max_q_len, scale)
+        d = state.decode
+        if d is not None:
+            decode_attention(q, k_cache, v_cache, out, meta.table, d.rows, d.kv_lens, d.q_rows,
+                             d.num_splits, scale, d.scratch)
+        return out

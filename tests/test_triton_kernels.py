@@ -1,0 +1,186 @@
+"""The Triton kernels (attention, fused ops) against the torch code on random data: mixed batches of
+prefill, chunk-style (gapped and shared slot lists), question-over-cache and decode rows, GQA
+ratios and head sizes, several KV splits. On a GPU they run compiled (float32 and bfloat16);
+on CPU through Triton's interpreter (conftest sets TRITON_INTERPRET=1), at small shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+triton_attention = pytest.importorskip("ragkv.model.triton_attention")
+if not triton_attention.available():
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+from ragkv.cache.kv_pool import KVPool  # noqa: E402
+from ragkv.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from ragkv.model.triton_attention import TritonAttentionBackend  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cuda"] if CUDA else ["cpu"]
+
+
+def _batch(rng: random.Random, pool_slots: int, table_width: int, kinds: list[str],
+           device: str):
+    """Random sequences over one slot table: each sequence owns a row; shared slots model
+    cached chunks read by several sequences."""
+    shared = rng.sample(range(1, pool_slots), 40)  # a "cached chunk" several sequences read
+    free = [s for s in range(1, pool_slots) if s not in set(shared)]
+    rng.shuffle(free)
+    table = torch.zeros(len(kinds) + 1, table_width, dtype=torch.int32)
+    q_lens, kv_lens, kv_lists, rows, prefix = [], [], [], [], []
+    for i, kind in enumerate(kinds):
+        row = i + 1
+        if kind == "prefill":
+            q = k = rng.randint(1, 70)
+            slots = [free.pop() for _ in range(k)]
+            spans_prefix = True
+        elif kind == "decode":
+            k, q = rng.randint(1, 200), 1
+            slots = [free.pop() for _ in range(k)]
+            spans_prefix = True
+        elif kind == "question":  # S + shared chunk + own question tokens
+            q = rng.randint(2, 20)
+            slots = [free.pop() for _ in range(5)] + shared + [free.pop() for _ in range(q)]
+            k = len(slots)
+            spans_prefix = True
+        else:  # "chunk": S + the chunk's own slots, a gapped list (not a row prefix)
+            q = rng.randint(1, 40)
+            system = [free.pop() for _ in range(6)]
+            slots = system + [free.pop() for _ in range(q)]
+            k = len(slots)
+            spans_prefix = False
+        table[row, :len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        q_lens.append(q)
+        kv_lens.append(k)
+        kv_lists.append(torch.tensor(slots, dtype=torch.int32))
+        rows.append(row)
+        prefix.append(spans_prefix)
+    q_starts, total = [], 0
+    for q in q_lens:
+        q_starts.append(total)
+        total += q
+    table = table.to(device)
+    kv_indices = [t.to(device) for t in kv_lists]
+    write = torch.cat([idx[k - q:] for idx, q, k in zip(kv_indices, q_lens, kv_lens,
+                                                        strict=True)]).long()
+    return dict(q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
+                write_slots=write, self_only=[q == k for q, k in zip(q_lens, kv_lens,
+                                                                     strict=True)],
+                seq_lens=kv_lens, table=table, rows=rows, prefix=prefix), total
+
+
+CASES = [
+    # heads, kv_heads, head_dim, kinds
+    (4, 2, 32, ["prefill", "decode", "chunk", "question", "decode"]),
+    (4, 4, 64, ["decode", "decode", "decode"]),
+    (8, 2, 16, ["question", "chunk", "prefill"]),
+    (6, 2, 48, ["decode", "prefill", "decode", "chunk"]),
+]
+if CUDA:
+    CASES += [(32, 8, 128, ["prefill", "decode", "chunk", "question"] * 3),
+              (16, 2, 64, ["decode"] * 17 + ["question"])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torch.dtype):
+    heads, kv_heads, head_dim, kinds = CASES[case]
+    rng = random.Random(case)
+    torch.manual_seed(case)
+    pool_slots = 2048
+    spec, total = _batch(rng, pool_slots, 512, kinds, device)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        pool = KVPool(1, pool_slots, kv_heads, head_dim, dtype, torch.device(device))
+        gen = torch.Generator().manual_seed(1)
+        pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
+        q = torch.randn(total, heads, head_dim, generator=gen).to(device, dtype)
+        k = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
+        v = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
+        meta = AttentionMetadata(**spec, num_kv_heads=kv_heads)
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
+        # Both wrote the step's K/V to the same slots.
+        outs.append(pool.kv.float())
+    ref, ref_pool, got, got_pool = outs
+    assert torch.equal(ref_pool, got_pool)
+    assert torch.isfinite(got).all()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_decode_splits_merge_exactly(device: str, splits: int):
+    """A sequence's KV cut into slices (some empty for short sequences) merges to the same
+    attention; lengths and rows are read on the device."""
+    rng = random.Random(splits)
+    spec, total = _batch(rng, 2048, 512, ["decode"] * 5, device)
+    kv_heads, heads, head_dim = 2, 4, 32
+    pool = KVPool(1, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
+    pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape).to(pool.kv)
+    q = torch.randn(total, heads, head_dim, device=device)
+    meta = AttentionMetadata(**spec, num_kv_heads=kv_heads)
+    ref_backend = TorchAttentionBackend()
+    ref_backend.prepare(meta)
+    ref = ref_backend.forward(q, pool.k[0][meta.write_slots], pool.v[0][meta.write_slots], 0,
+                              pool, meta, head_dim ** -0.5)
+    out = torch.full_like(q, float("nan"))
+    dev = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    triton_attention.decode_attention(q, pool.k[0], pool.v[0], out, meta.table, dev(meta.rows),
+                                      dev(meta.kv_lens), dev(meta.q_starts), splits,
+                                      head_dim ** -0.5)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_ops_equal_the_torch_ops(device: str, dtype: torch.dtype):
+    """RMSNorm (with the residual add), SiLU-mul and RoPE + KV store against the model's
+    torch ops on random data (a yarn-style cos/sin scale included)."""
+    from ragkv.model import triton_ops
+    from ragkv.model.layers import RMSNorm, apply_rotary
+
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    dev = torch.device(device)
+
+    def close(got, want):
+        got, want = got.float(), want.float()
+        assert torch.isfinite(got).all()
+        assert ((got - want).norm() / want.norm()).item() < tol
+
+    tokens, hidden = 7, 96
+    norm = RMSNorm(hidden, 1e-5, dtype, dev)
+    norm.weight.copy_(torch.randn(hidden) * 0.5 + 1)
+    x = torch.randn(tokens, hidden).to(dev, dtype)
+    res = torch.randn(tokens, hidden).to(dev, dtype)
+    want_out, want_total = norm.forward_add(x, res)
+    got_out, got_total = triton_ops.rms_norm(x, norm.weight, norm.eps, res)
+    close(got_total, want_total)
+    close(got_out, want_out)
+    close(triton_ops.rms_norm(x, norm.weight, norm.eps), norm.forward(x))
+
+    gate_up = torch.randn(tokens, 2 * 80).to(dev, dtype)
+    gate, up = gate_up.split(80, dim=-1)
+    close(triton_ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+    heads, kv_heads, head_dim, slots_n = 4, 2, 32, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dev, dtype)
+    angles = torch.rand(tokens, head_dim // 2) * 6
+    cos = (torch.cat([angles.cos()] * 2, -1) * 1.1).to(dev, dtype)
+    sin = (torch.cat([angles.sin()] * 2, -1) * 1.1).to(dev, dtype)
+    slots = torch.randperm(slots_n - 1)[:tokens].add(1).to(dev)
+    k_cache = torch.zeros(slots_n, kv_heads, head_dim, dtype=dtype, device=dev)
+    v_cache = torch.zeros_like(k_cache)
+    q = triton_ops.rope_store(qkv, cos, sin, heads, kv_heads, head_dim, k_cache, v_cache, slots)
+    view = qkv.view(tokens, heads + 2 * kv_heads, head_dim)
+    close(q, apply_rotary(view[:, :heads], cos, sin))
+    close(k_cache[slots], apply_rotary(view[:, heads:heads + kv_heads], cos, sin))
+    close(v_cache[slots], view[:, heads + kv_heads:])
+    untouched = torch.ones(slots_n, dtype=torch.bool, device=dev)
+    untouched[slots] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
