@@ -19,9 +19,11 @@ kernels run on CPU tensors through Triton's interpreter, which is how CPU-only C
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..cache.kv_pool import KVPool
 from .attention import AttentionMetadata
@@ -37,6 +39,8 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 # sequence's KV (the merge kernel reduces them in one tile).
 DECODE_BLOCK_N = 64
 MAX_SPLITS = 64
+# Softmax in base 2 (exp2 is the hardware instruction): scores are scaled by log2(e) once.
+_LOG2E = 1.4426950408889634
 
 
 def available() -> bool:
@@ -45,13 +49,36 @@ def available() -> bool:
 
 if triton is not None:
 
+    @triton.jit
+    def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, diag,
+                      offs_m, offs_d, d_valid, stride_kt, qk_scale,
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        """One block of KV entries folded into the running softmax (base-2 exponentials)."""
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
+        k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:  # the block crosses the causal diagonal or the end of the list
+            visible = (offs_n[None, :] <= diag + offs_m[:, None]) & n_valid[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return acc, m_new, l_i
+
     # Lengths, offsets and counts are data, never specialised on, so no new length or batch
     # ever compiles a new kernel.
     @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens"])
     def _extend_kernel(
         Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
-        scale,
+        qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -74,31 +101,22 @@ if triton is not None:
         # Query t (of q_len) sees entries 0 .. kv_len - q_len + t of the list.
         diag = kv_len - q_len
         hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
+        # Blocks wholly visible to every row of this query block need no mask.
+        full = tl.minimum(diag + block * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_base = K + kv_head * stride_kh
         v_base = V + kv_head * stride_kh
         # Entry 0 is visible to every row, so after the first block no row's max is -inf.
-        for start in range(0, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < hi
-            slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
-            k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
-                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            qk = tl.dot(q, k, input_precision=PRECISION)
-            qk = qk * scale
-            visible = (offs_n[None, :] <= diag + offs_m[:, None]) & n_valid[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        for start in range(0, full, BLOCK_N):
+            acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
+                                          start, hi, diag, offs_m, offs_d, d_valid, stride_kt,
+                                          qk_scale, BLOCK_N, False, PRECISION)
+        for start in range(full, hi, BLOCK_N):
+            acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
+                                          start, hi, diag, offs_m, offs_d, d_valid, stride_kt,
+                                          qk_scale, BLOCK_N, True, PRECISION)
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
@@ -108,7 +126,7 @@ if triton is not None:
         Q, K, V, table, rows, kv_lens, q_rows, mid_o, mid_lse,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
         stride_mb, stride_mh, stride_ms,
-        scale, num_splits,
+        qk_scale, num_splits,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -138,13 +156,13 @@ if triton is not None:
             n_valid = offs_n < hi
             slots = tl.load(table + row * stride_table + offs_n, mask=n_valid,
                             other=0).to(tl.int64)
-            k = tl.load(k_base + slots[None, :] * stride_kt + offs_d[:, None],
-                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)
-            qk = tl.dot(q, k, input_precision=PRECISION)
-            qk = tl.where(n_valid[None, :], qk * scale, float("-inf"))
+            k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            qk = tl.where(n_valid[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
@@ -154,7 +172,8 @@ if triton is not None:
         # An empty slice (past the end of a short sequence) leaves lse = -inf and no output;
         # the merge skips it.
         empty = hi <= lo
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        # Base 2 throughout: the merge only compares and exponentiates these.
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         base = b * stride_mb + heads * stride_mh + split * stride_ms
         # mid_o is contiguous [B, H, S, D]: its offsets are mid_lse's times HEAD_DIM.
@@ -175,7 +194,7 @@ if triton is not None:
         base = b * stride_mb + head * stride_mh
         lse = tl.load(mid_lse + base + offs_s, mask=s_valid, other=float("-inf"))
         top = tl.max(lse, 0)
-        weight = tl.exp(lse - top)  # 0 for empty slices
+        weight = tl.exp2(lse - top)  # 0 for empty slices
         used = weight > 0
         o = tl.load(mid_o + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=used[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
@@ -202,15 +221,18 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if q.device.type == "cuda":
-        block_m, block_n = (128, 64) if block_d <= 64 else (128, 32 if precision == "ieee" else 64)
-        num_warps, num_stages = (4 if block_d <= 64 else 8), 2
+        if precision == "ieee":  # float32 tiles take twice the registers and shared memory
+            block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
+        else:
+            block_m, block_n = 128, 64
+            num_warps, num_stages = (4 if block_d <= 64 else 8), 3
     else:  # the interpreter: small tiles keep it quick
         block_m, block_n, num_warps, num_stages = 16, 16, 1, 1
     grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        out.stride(0), out.stride(1), scale,
+        out.stride(0), out.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
@@ -249,7 +271,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, table, rows, kv_lens, q_rows, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
-        scale, num_splits,
+        scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, num_warps=4 if cuda else 1,
         num_stages=2 if cuda else 1,
@@ -286,6 +308,34 @@ class _TritonState:
     decode: DecodeBatch | None = None
     extend: tuple[torch.Tensor, ...] | None = None  # kv_index, kv_indptr, q_starts, q_lens
     max_q_len: int = 0
+    # Long fresh prefills (q_start, q_len, their slots): PyTorch's flash attention kernel.
+    flash: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+
+
+# A fresh prefill (its KV list is exactly its new tokens) at least this long goes to PyTorch's
+# fused flash-attention kernel on CUDA, which measured 2x the extend kernel's speed at 4k
+# tokens on an H100 (525 vs 260 TFLOP/s, docs/benchmarks.md); the extend kernel keeps
+# everything that reads cached KV.
+FLASH_MIN_TOKENS = 256
+
+
+def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """Causal attention of one sequence ([T, heads, d] each) through PyTorch's flash kernel:
+    cuDNN's attention, which SDPA may otherwise pick, builds a plan for every new length."""
+    args = (q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0))
+    gqa = q.shape[1] != k.shape[1]
+    if q.dtype == torch.float32:  # flash has no float32 kernel; SDPA's choice is exact
+        o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+    except RuntimeError:  # no flash kernel for this head size or dtype: let SDPA choose
+        o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
+    return o[0].transpose(0, 1)
 
 
 class TritonAttentionBackend:
@@ -302,8 +352,15 @@ class TritonAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         state = _TritonState()
         device = meta.write_slots.device
-        decode = [i for i in range(meta.num_seqs) if meta.q_lens[i] == 1 and meta.prefix[i]]
-        extend = [i for i in range(meta.num_seqs) if not (meta.q_lens[i] == 1 and meta.prefix[i])]
+        decode, extend = [], []
+        flash_ok = device.type == "cuda"
+        for i in range(meta.num_seqs):
+            if meta.q_lens[i] == 1 and meta.prefix[i]:
+                decode.append(i)
+            elif flash_ok and meta.self_only[i] and meta.q_lens[i] >= FLASH_MIN_TOKENS:
+                state.flash.append((meta.q_starts[i], meta.q_lens[i], meta.kv_indices[i]))
+            else:
+                extend.append(i)
         if decode:
             host = torch.tensor([[meta.rows[i] for i in decode],
                                  [meta.kv_lens[i] for i in decode],
@@ -341,6 +398,11 @@ class TritonAttentionBackend:
             kv_index, indptr, q_starts, q_lens = state.extend
             extend_attention(q, k_cache, v_cache, out, kv_index, indptr, q_starts, q_lens,
                              state.max_q_len, scale)
+        for start, n, slots in state.flash:
+            index = slots.long()
+            out[start:start + n] = _causal_flash(
+                q[start:start + n], k_cache.index_select(0, index),
+                v_cache.index_select(0, index), scale)
         d = state.decode
         if d is not None:
             decode_attention(q, k_cache, v_cache, out, meta.table, d.rows, d.kv_lens, d.q_rows,

@@ -1,0 +1,292 @@
+"""ragkv on a GPU against HF transformers and the hardware floors, measured in one run.
+
+Builds an 8B-shaped Llama with random weights on the GPU (hidden 4096, 32 layers, 32/8 heads,
+intermediate 14336, vocab 128,256, llama3 RoPE; no download), writes it as an HF checkpoint and
+loads it through ragkv's loader. Floors are measured on the same GPU in the same run: copy
+bandwidth (a large device-to-device copy, bytes read + written) and bf16 matmul rate
+(8192^3). Rows:
+- prefill of a 4,288-token prompt (ragkv TTFT vs one HF forward; MFU against the measured peak);
+- warm RAG TTFT: 128 + 8 x 512 + 64 tokens, every chunk cached (floor: one pass over the
+  weights), and its cold TTFT;
+- decode ms/step at batch 1 and 32 after warm-up, T(128) - T(1) over 127 steps, and the first
+  pass over lengths never seen before against a repeat;
+- a mixed workload, 16 prompts of 300-2,000 tokens x 32 tokens, twice with fresh lengths
+  (floor: the prefills' FLOPs at peak + 32 decode steps at the batch-16 floor);
+- `ragkv bench`'s RAG workload (none / prefix / chunk) on this model.
+
+    python benchmarks/bench_gpu.py                      # the 8B shape, on CUDA
+    python benchmarks/bench_gpu.py --layers 2 --hidden 256 --heads 4 --kv-heads 2 \\
+        --intermediate 512 --vocab 4096 --device cpu --dtype float32 --quick   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def measure_floors(device: str, dtype: torch.dtype, quick: bool) -> dict:
+    """Copy bandwidth (GB/s, read + write) and matmul rate (TFLOP/s) on this device."""
+    if not device.startswith("cuda"):
+        return {"bandwidth": 20e9, "flops": 1e12, "note": "CPU: nominal figures"}
+    n = 1 << (28 if quick else 30)  # elements: 0.5 / 2 GB in bf16
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(10):
+        times.append(timed(lambda: dst.copy_(src), device))
+    bandwidth = 2 * src.numel() * src.element_size() / statistics.median(times[2:])
+    src = dst = None  # free before the matmul
+    size = 8192
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    times = [timed(lambda: a @ b, device) for _ in range(12)]
+    flops = 2 * size ** 3 / statistics.median(times[2:])
+    return {"bandwidth": bandwidth, "flops": flops}
+
+
+def build_checkpoint(args, path: str):
+    """A random-weight HF Llama of the requested shape on the device, saved to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ragkv.model.builtin import save_builtin_tokenizer
+
+    config = LlamaConfig(
+        hidden_size=args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        intermediate_size=args.intermediate, vocab_size=args.vocab,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=1, eos_token_id=2)
+    dtype = getattr(torch, args.dtype)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    model.save_pretrained(path)
+    save_builtin_tokenizer(path)
+    return model
+
+
+def ids(n: int, rng: random.Random) -> list[int]:
+    # The built-in tokenizer's vocabulary is 4,096: ids stay below it.
+    return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--kv-cache-gb", type=float, default=12.0)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-rag-bench", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    args = parser.parse_args()
+
+    from ragkv import LLM, RAGPrompt, SamplingParams
+
+    device, dtype = args.device, getattr(torch, args.dtype)
+    rng = random.Random(0)
+    reps = 2 if args.quick else 5
+    prefill_len = 1024 if args.quick else 4288
+    decode_new = 16 if args.quick else 128
+    doc_len = 128 if args.quick else 512
+    fig: dict = {"shape": vars(args)}
+    say = lambda *a: print(*a, flush=True)  # noqa: E731
+
+    floors = measure_floors(device, dtype, args.quick)
+    fig["floors"] = floors
+    say(f"floors: copy {floors['bandwidth'] / 1e9:.0f} GB/s, matmul "
+        f"{floors['flops'] / 1e12:.0f} TFLOP/s")
+
+    tmp = tempfile.mkdtemp(prefix="ragkv-bench-gpu-")
+    start = time.perf_counter()
+    hf = build_checkpoint(args, tmp)
+    fig["checkpoint_s"] = time.perf_counter() - start
+    params_total = sum(p.numel() for p in hf.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
+    embed = hf.model.embed_tokens.weight
+    streamed = weight_bytes - embed.numel() * embed.element_size()  # one embedding row read
+    flop_params = params_total - embed.numel()
+    head_dim = args.hidden // args.heads
+    kv_bytes_per_token = 2 * args.layers * args.kv_heads * head_dim * dtype.itemsize
+    say(f"checkpoint written in {fig['checkpoint_s']:.1f} s; {params_total / 1e9:.2f} B params, "
+        f"{weight_bytes / 1e9:.2f} GB")
+    if args.skip_hf:
+        hf = None
+        gc.collect()
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+
+    start = time.perf_counter()
+    llm = LLM(tmp, dtype=args.dtype, device=device, max_model_len=8192,
+              kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30), max_num_seqs=64,
+              max_num_batched_tokens=8192, attention_backend=args.attention_backend,
+              enforce_eager=args.enforce_eager)
+    graphs = llm.engine.runner.graphs
+    fig["load_s"] = time.perf_counter() - start
+    fig["graph_capture_s"] = graphs.capture_seconds if graphs is not None else None
+    say(f"ragkv loaded in {fig['load_s']:.1f} s (CUDA graph capture "
+        f"{fig['graph_capture_s']} s, backend {llm.engine.runner.backend.name})")
+
+    def decode_floor(batch: int, context: int) -> float:
+        return (streamed + batch * context * kv_bytes_per_token) / floors["bandwidth"]
+
+    def prefill_flops(n: int) -> float:
+        attn = 2 * 2 * args.layers * args.hidden * n * n / 2
+        return 2 * (flop_params - args.vocab * args.hidden) * n + attn
+
+    def generate(prompts, max_tokens: int) -> float:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        return timed(lambda: llm.generate(prompts, sp, use_tqdm=False), device)
+
+    rows = []
+
+    # Prefill.
+    prompt = ids(prefill_len, rng)
+    ragkv_t = []
+    for _ in range(reps + 1):
+        llm.reset_prefix_cache()
+        ragkv_t.append(generate([{"prompt_token_ids": prompt}], 1))
+    ragkv_prefill = statistics.median(ragkv_t[1:])
+    hf_prefill = None
+    if hf is not None:
+        x = torch.tensor([prompt], device=device)
+        with torch.inference_mode():
+            hf_t = [timed(lambda: hf(x, logits_to_keep=1), device) for _ in range(reps + 1)]
+        hf_prefill = statistics.median(hf_t[1:])
+    floor = prefill_flops(prefill_len) / floors["flops"]
+    fig["prefill"] = {"ragkv": ragkv_prefill, "hf": hf_prefill, "floor": floor,
+                      "mfu": floor / ragkv_prefill}
+    rows.append((f"prefill, {prefill_len}-token prompt", ragkv_prefill, hf_prefill, floor,
+                 f"MFU {100 * floor / ragkv_prefill:.0f}%"))
+    say(f"prefill: ragkv {ragkv_prefill * 1e3:.1f} ms, HF "
+        f"{hf_prefill * 1e3 if hf_prefill else float('nan'):.1f} ms, floor {floor * 1e3:.1f} ms")
+
+    # Warm RAG TTFT.
+    system = ids(128, rng)
+    docs = [ids(doc_len, rng) for _ in range(8)]
+    cold = generate([RAGPrompt(system, docs, ids(64, rng))], 1)
+    warm_t = []
+    for _ in range(reps + 1):
+        order = docs[:]
+        rng.shuffle(order)
+        warm_t.append(generate([RAGPrompt(system, order, ids(64, rng))], 1))
+    warm = statistics.median(warm_t[1:])
+    floor = decode_floor(1, 0)
+    fig["rag_ttft"] = {"warm": warm, "cold": cold, "floor": floor}
+    rows.append((f"warm RAG TTFT, 128 + 8x{doc_len} + 64, all cached (cold "
+                 f"{cold * 1e3:.1f} ms)", warm, None, floor, ""))
+    say(f"RAG TTFT: warm {warm * 1e3:.1f} ms, cold {cold * 1e3:.1f} ms")
+
+    # Decode.
+    def hf_decode(batch: int, context: int) -> float:
+        x = torch.tensor([ids(context, rng) for _ in range(batch)], device=device)
+        with torch.inference_mode():
+            def run(n):
+                return timed(lambda: hf.generate(x, max_new_tokens=n, min_new_tokens=n,
+                                                 do_sample=False), device)
+            run(2)
+            t1 = statistics.median(run(1) for _ in range(reps))
+            tn = statistics.median(run(decode_new) for _ in range(max(2, reps // 2)))
+        return (tn - t1) / (decode_new - 1)
+
+    for batch in (1, 32):
+        context = 512
+        prompts = [{"prompt_token_ids": ids(context, rng)} for _ in range(batch)]
+        generate(prompts, 2)
+        t1 = statistics.median(generate(prompts, 1) for _ in range(reps))
+        tn = statistics.median(generate(prompts, decode_new) for _ in range(max(2, reps // 2)))
+        step = (tn - t1) / (decode_new - 1)
+        # First pass over a length never seen before, then the same length again.
+        fresh = 900 + rng.randrange(1000)
+        new_prompts = [{"prompt_token_ids": ids(fresh, rng)} for _ in range(batch)]
+        first = generate(new_prompts, 33) - generate(new_prompts, 1)
+        again = generate(new_prompts, 33) - generate(new_prompts, 1)
+        hf_step = hf_decode(batch, context) if hf is not None else None
+        floor = decode_floor(batch, context + decode_new // 2)
+        fig[f"decode_b{batch}"] = {"ragkv": step, "hf": hf_step, "floor": floor,
+                                   "first_pass_step": first / 32, "repeat_step": again / 32}
+        rows.append((f"decode batch {batch}, ms/step", step, hf_step, floor,
+                     f"new lengths: {first / 32 * 1e3:.2f} first, {again / 32 * 1e3:.2f} again"))
+        say(f"decode b{batch}: {step * 1e3:.2f} ms/step, HF "
+            f"{hf_step * 1e3 if hf_step else float('nan'):.2f}, floor {floor * 1e3:.2f}")
+
+    # Mixed workload, two passes with fresh lengths and ids (no cache hits).
+    passes = []
+    floor_sum = []
+    for _ in range(2):
+        lengths = [rng.randrange(300, 2001) for _ in range(16)]
+        llm.reset_prefix_cache()
+        prompts = [{"prompt_token_ids": ids(n, rng)} for n in lengths]
+        passes.append(generate(prompts, 32))
+        floor_sum.append(sum(prefill_flops(n) for n in lengths) / floors["flops"]
+                         + 32 * decode_floor(16, 1150))
+    fig["mixed"] = {"first": passes[0], "second": passes[1], "floors": floor_sum}
+    rows.append(("mixed: 16 x (300-2000 tokens) x 32 out, 1st / 2nd pass", passes[0], None,
+                 floor_sum[0], f"2nd pass {passes[1]:.3f} s (floor {floor_sum[1]:.3f} s)"))
+    say(f"mixed: {passes[0]:.3f} s then {passes[1]:.3f} s; floors {floor_sum}")
+
+    llm = hf = None  # free the GPU for the RAG benchmark's engines
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    print("\n| what | ragkv | HF (sdpa) | floor | ragkv/floor | ragkv/HF | notes |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, ours, theirs, floor, note in rows:
+        hf_col = f"{theirs * 1e3:.1f} ms" if theirs else "—"
+        ratio_hf = f"{ours / theirs:.2f}" if theirs else "—"
+        print(f"| {name} | {ours * 1e3:.1f} ms | {hf_col} | {floor * 1e3:.1f} ms | "
+              f"{ours / floor:.2f} | {ratio_hf} | {note} |", flush=True)
+
+    if not args.skip_rag_bench:
+        from ragkv.bench.offline import format_table, run_offline
+        from ragkv.bench.workload import WorkloadConfig
+
+        config = WorkloadConfig(num_docs=16, doc_tokens=doc_len, docs_per_request=4,
+                                system_tokens=64, question_tokens=32, output_tokens=8,
+                                num_requests=16 if args.quick else 40)
+        kwargs = dict(dtype=args.dtype, device=device, max_model_len=8192,
+                      kv_cache_memory_bytes=int(args.kv_cache_gb * 2**30),
+                      attention_backend=args.attention_backend,
+                      enforce_eager=args.enforce_eager)
+        results = run_offline(tmp, ["none", "prefix", "chunk"], config, kwargs, progress=False)
+        fig["rag_bench"] = results
+        print("\n`ragkv bench` RAG workload on this model:")
+        print(format_table(results), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(fig, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
