@@ -101,7 +101,7 @@ def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torc
         q = torch.randn(total, heads, head_dim, generator=gen).to(device, dtype)
         k = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
         v = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
-        meta = AttentionMetadata(**spec, num_kv_heads=kv_heads)
+        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
         # Both wrote the step's K/V to the same slots.
@@ -111,6 +111,31 @@ def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torc
     assert torch.isfinite(got).all()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [2, 5])
+def test_extend_kv_splits_merge_exactly(device: str, splits: int, monkeypatch):
+    """Query blocks over long lists cut into KV slices (rows that see nothing in a slice, a
+    chunk job's gapped list, a fresh prefill) merge to the unsplit result."""
+    monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    rng = random.Random(splits)
+    heads, kv_heads, head_dim = 4, 2, 32
+    spec, total = _batch(rng, 2048, 512, ["question", "chunk", "prefill", "decode"], device)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        pool = KVPool(1, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
+        gen = torch.Generator().manual_seed(3)
+        pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
+        q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device)
+                   for h in (heads, kv_heads, kv_heads))
+        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5))
+    assert meta.backend_state.splits == splits
+    ref, got = outs
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -124,7 +149,7 @@ def test_decode_splits_merge_exactly(device: str, splits: int):
     pool = KVPool(1, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
     pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape).to(pool.kv)
     q = torch.randn(total, heads, head_dim, device=device)
-    meta = AttentionMetadata(**spec, num_kv_heads=kv_heads)
+    meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
     ref_backend = TorchAttentionBackend()
     ref_backend.prepare(meta)
     ref = ref_backend.forward(q, pool.k[0][meta.write_slots], pool.v[0][meta.write_slots], 0,

@@ -42,6 +42,7 @@ class AttentionMetadata:
     table: torch.Tensor | None = None
     rows: list[int] = field(default_factory=list)
     prefix: list[bool] = field(default_factory=list)
+    num_heads: int = 0
     num_kv_heads: int = 0
     backend_state: object = field(default=None)
 

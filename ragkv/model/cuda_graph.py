@@ -83,7 +83,8 @@ class DecodeGraphs:
             q_lens=[1] * size, kv_lens=[1] * size, q_starts=list(range(size)), kv_indices=[],
             write_slots=self.slot_table.table[rows, kv_lens - 1].long(),
             self_only=[False] * size, seq_lens=[1] * size, table=self.slot_table.table,
-            rows=[], prefix=[True] * size, num_kv_heads=self.pool.k.shape[2],
+            rows=[], prefix=[True] * size, num_heads=self.model.config.num_heads,
+            num_kv_heads=self.pool.k.shape[2],
         )
         meta.backend_state = _TritonState(decode=DecodeBatch(
             rows=rows, kv_lens=kv_lens, q_rows=self.q_rows[:size], num_splits=splits,

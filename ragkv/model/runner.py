@@ -36,6 +36,8 @@ class ModelRunner:
         self.slot_table = slot_table
         self.device = device
         self.graphs = None  # DecodeGraphs (cuda_graph.py) once captured
+        self.num_heads = model.config.num_heads
+        self.num_kv_heads = pool.k.shape[2]
 
     @torch.inference_mode()
     def execute(self, works: Sequence[Work]) -> torch.Tensor:
@@ -77,7 +79,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
             write_slots=write_slots, self_only=self_only, seq_lens=seq_lens, table=table,
-            rows=rows, prefix=prefix, num_kv_heads=self.pool.k.shape[2],
+            rows=rows, prefix=prefix, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
         )
         self.backend.prepare(meta)
         host = torch.tensor([input_ids, positions], dtype=torch.long)
@@ -101,7 +104,8 @@ class ModelRunner:
                 q_lens=[q_len], kv_lens=[kv_len], q_starts=[0], kv_indices=[index],
                 write_slots=index[kv_len - q_len:].long(), self_only=[q_len == kv_len],
                 seq_lens=[kv_len], table=self.slot_table.table, rows=[0],
-                prefix=[q_len < kv_len], num_kv_heads=self.pool.k.shape[2],
+                prefix=[q_len < kv_len], num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
             )
             self.backend.prepare(meta)
             ids = torch.zeros(q_len, dtype=torch.long, device=self.device)

@@ -19,11 +19,9 @@ kernels run on CPU tensors through Triton's interpreter, which is how CPU-only C
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..cache.kv_pool import KVPool
 from .attention import AttentionMetadata
@@ -39,6 +37,8 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 # sequence's KV (the merge kernel reduces them in one tile).
 DECODE_BLOCK_N = 64
 MAX_SPLITS = 64
+# Query rows per program of the extend kernel.
+EXTEND_BLOCK_M = 128
 # Softmax in base 2 (exp2 is the hardware instruction): scores are scaled by log2(e) once.
 _LOG2E = 1.4426950408889634
 
@@ -64,8 +64,13 @@ if triton is not None:
             visible = (offs_n[None, :] <= diag + offs_m[:, None]) & n_valid[None, :]
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        # A row that has seen nothing yet (a later KV split) keeps -inf safely.
+        if MASKED:  # noqa: SIM108 (a compile-time branch of the kernel)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(qk - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
                     mask=n_valid[:, None] & d_valid[None, :], other=0.0)
@@ -74,17 +79,25 @@ if triton is not None:
 
     # Lengths, offsets and counts are data, never specialised on, so no new length or batch
     # ever compiles a new kernel.
-    @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens"])
+    #
+    # With SPLITS > 1 each (sequence, query block, head) is cut further along the KV list and
+    # the slices go to mid_o / mid_lse (indexed by the token's place among the extend tokens,
+    # `mid_starts`), merged afterwards: a few query tokens over a long cached context (the
+    # question of a warm RAG request) would otherwise run on a handful of multiprocessors.
+    @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "mid_starts"])
     def _extend_kernel(
-        Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens,
+        Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, mid_starts, mid_o, mid_lse,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+        stride_mb, stride_mh,
         qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         seq = tl.program_id(0)
         block = tl.program_id(1)
-        head = tl.program_id(2)
+        head = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
         q_len = tl.load(q_lens + seq)
         if block * BLOCK_M >= q_len:
             return
@@ -101,25 +114,39 @@ if triton is not None:
         # Query t (of q_len) sees entries 0 .. kv_len - q_len + t of the list.
         diag = kv_len - q_len
         hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
+        # This program's slice [lo, end) of the entries the block attends to.
+        per_split = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        end = tl.minimum(lo + per_split, hi)
         # Blocks wholly visible to every row of this query block need no mask.
-        full = tl.minimum(diag + block * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N
+        full = tl.minimum(tl.minimum(diag + block * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N, end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_base = K + kv_head * stride_kh
         v_base = V + kv_head * stride_kh
-        # Entry 0 is visible to every row, so after the first block no row's max is -inf.
-        for start in range(0, full, BLOCK_N):
+        for start in range(lo, full, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, diag, offs_m, offs_d, d_valid, stride_kt,
                                           qk_scale, BLOCK_N, False, PRECISION)
-        for start in range(full, hi, BLOCK_N):
+        for start in range(tl.maximum(lo, full), end, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, diag, offs_m, offs_d, d_valid, stride_kt,
                                           qk_scale, BLOCK_N, True, PRECISION)
-        out = acc / l_i[:, None]
-        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 out.to(Out.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+        if SPLITS == 1:  # entry 0 is in every row's view, so l_i > 0
+            out = acc / l_i[:, None]
+            tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+                     + offs_d[None, :], out.to(Out.dtype.element_ty),
+                     mask=m_valid[:, None] & d_valid[None, :])
+        else:  # a row may see nothing in this slice: lse -inf, skipped by the merge
+            seen = l_i > 0
+            out = acc / tl.where(seen, l_i, 1.0)[:, None]
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            row = tl.load(mid_starts + seq) + offs_m
+            base = row * stride_mb + head * stride_mh + split  # mid_lse [T, H, S]
+            tl.store(mid_lse + base, lse, mask=m_valid)
+            tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
+                     mask=m_valid[:, None] & d_valid[None, :])
 
     @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits"])
     def _decode_kernel(
@@ -208,34 +235,62 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int,
+                  device: torch.device) -> int:
+    """KV slices per (sequence, query block, head): 1 when those already fill the GPU, else
+    enough for about two waves, no slice under 512 entries."""
+    if device.type != "cuda":
+        return 1 if max(kv_lens) <= 64 else 2
+    programs = sum(-(-q // EXTEND_BLOCK_M) for q in q_lens) * heads
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs >= sms:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-2 * sms // programs), max(kv_lens) // 512))
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, kv_index: torch.Tensor, kv_indptr: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, max_q_len: int,
-                     scale: float) -> None:
+                     scale: float, splits: int = 1,
+                     merge: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
-    (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`."""
+    (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`.
+    With `splits` > 1, `merge` = (mid_starts: each sequence's first place among the extend
+    tokens, rows: each extend token's row of `q`), both int32 on the device."""
     num_seqs = q_starts.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[1]
     block_d = max(16, _next_pow2(head_dim))
     # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_m = EXTEND_BLOCK_M
     if q.device.type == "cuda":
         if precision == "ieee":  # float32 tiles take twice the registers and shared memory
             block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
         else:
-            block_m, block_n = 128, 64
-            num_warps, num_stages = (4 if block_d <= 64 else 8), 3
+            block_n, num_warps, num_stages = 64, (4 if block_d <= 64 else 8), 3
     else:  # the interpreter: small tiles keep it quick
         block_m, block_n, num_warps, num_stages = 16, 16, 1, 1
-    grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads)
+    if splits > 1:
+        mid_starts, rows = merge
+        mid_o, mid_lse = decode_scratch(rows.numel(), heads, head_dim, splits, q.device)
+    else:
+        mid_starts, mid_o, mid_lse = q_starts, out, out  # unused
+    grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads * splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        out.stride(0), out.stride(1), scale * _LOG2E,
+        q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens, mid_starts, mid_o,
+        mid_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=precision, SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
     )
+    if splits > 1:
+        _merge_kernel[(rows.numel(), heads)](
+            mid_o, mid_lse, out, rows, out.stride(0), out.stride(1),
+            mid_lse.stride(0), mid_lse.stride(1), splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)),
+            num_warps=4 if q.device.type == "cuda" else 1,
+        )
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
@@ -308,34 +363,16 @@ class _TritonState:
     decode: DecodeBatch | None = None
     extend: tuple[torch.Tensor, ...] | None = None  # kv_index, kv_indptr, q_starts, q_lens
     max_q_len: int = 0
-    # Long fresh prefills (q_start, q_len, their slots): PyTorch's flash attention kernel.
-    flash: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    splits: int = 1
+    merge: tuple[torch.Tensor, torch.Tensor] | None = None  # see extend_attention
 
 
-# A fresh prefill (its KV list is exactly its new tokens) at least this long goes to PyTorch's
-# fused flash-attention kernel on CUDA, which measured 2x the extend kernel's speed at 4k
-# tokens on an H100 (525 vs 260 TFLOP/s, docs/benchmarks.md); the extend kernel keeps
-# everything that reads cached KV.
-FLASH_MIN_TOKENS = 256
-
-
-def _causal_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    """Causal attention of one sequence ([T, heads, d] each) through PyTorch's flash kernel:
-    cuDNN's attention, which SDPA may otherwise pick, builds a plan for every new length."""
-    args = (q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0))
-    gqa = q.shape[1] != k.shape[1]
-    if q.dtype == torch.float32:  # flash has no float32 kernel; SDPA's choice is exact
-        o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
-        return o[0].transpose(0, 1)
-    try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-    except RuntimeError:  # no flash kernel for this head size or dtype: let SDPA choose
-        o = F.scaled_dot_product_attention(*args, is_causal=True, scale=scale, enable_gqa=gqa)
-    return o[0].transpose(0, 1)
+def indptr_of(lengths: list[int]) -> list[int]:
+    """[0, l0, l0 + l1, ...]: where each of a list of runs starts, and the total."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
 
 
 class TritonAttentionBackend:
@@ -353,14 +390,8 @@ class TritonAttentionBackend:
         state = _TritonState()
         device = meta.write_slots.device
         decode, extend = [], []
-        flash_ok = device.type == "cuda"
         for i in range(meta.num_seqs):
-            if meta.q_lens[i] == 1 and meta.prefix[i]:
-                decode.append(i)
-            elif flash_ok and meta.self_only[i] and meta.q_lens[i] >= FLASH_MIN_TOKENS:
-                state.flash.append((meta.q_starts[i], meta.q_lens[i], meta.kv_indices[i]))
-            else:
-                extend.append(i)
+            (decode if meta.q_lens[i] == 1 and meta.prefix[i] else extend).append(i)
         if decode:
             host = torch.tensor([[meta.rows[i] for i in decode],
                                  [meta.kv_lens[i] for i in decode],
@@ -372,14 +403,21 @@ class TritonAttentionBackend:
                 num_splits=decode_splits(len(decode), meta.num_kv_heads, max_kv, device))
         if extend:
             kv_index = torch.cat([meta.kv_indices[i] for i in extend])
-            indptr = [0]
-            for i in extend:
-                indptr.append(indptr[-1] + meta.kv_lens[i])
+            indptr = indptr_of([meta.kv_lens[i] for i in extend])
             host = torch.tensor([indptr, [meta.q_starts[i] for i in extend] + [0],
                                  [meta.q_lens[i] for i in extend] + [0]], dtype=torch.int32)
             dev = host.to(device, non_blocking=True)
             state.extend = (kv_index, dev[0], dev[1, :-1], dev[2, :-1])
-            state.max_q_len = max(meta.q_lens[i] for i in extend)
+            q_lens = [meta.q_lens[i] for i in extend]
+            state.max_q_len = max(q_lens)
+            state.splits = extend_splits(q_lens, [meta.kv_lens[i] for i in extend],
+                                         meta.num_heads, device)
+            if state.splits > 1:
+                rows = [t for i in extend
+                        for t in range(meta.q_starts[i], meta.q_starts[i] + meta.q_lens[i])]
+                host = torch.tensor(indptr_of(q_lens)[:-1] + rows, dtype=torch.int32)
+                dev = host.to(device, non_blocking=True)
+                state.merge = (dev[:len(extend)], dev[len(extend):])
         meta.backend_state = state
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -397,12 +435,7 @@ class TritonAttentionBackend:
         if state.extend is not None:
             kv_index, indptr, q_starts, q_lens = state.extend
             extend_attention(q, k_cache, v_cache, out, kv_index, indptr, q_starts, q_lens,
-                             state.max_q_len, scale)
-        for start, n, slots in state.flash:
-            index = slots.long()
-            out[start:start + n] = _causal_flash(
-                q[start:start + n], k_cache.index_select(0, index),
-                v_cache.index_select(0, index), scale)
+                             state.max_q_len, scale, state.splits, state.merge)
         d = state.decode
         if d is not None:
             decode_attention(q, k_cache, v_cache, out, meta.table, d.rows, d.kv_lens, d.q_rows,
