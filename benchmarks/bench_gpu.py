@@ -231,7 +231,7 @@ def main() -> None:
         fresh = 900 + rng.randrange(1000)
         new_prompts = [{"prompt_token_ids": ids(fresh, rng)} for _ in range(batch)]
 
-        def cold(n: int) -> float:
+        def cold(n: int, new_prompts=new_prompts) -> float:
             llm.reset_prefix_cache()
             return generate(new_prompts, n)
 
