@@ -43,6 +43,26 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
         return False
 
 
+def _read_response(sock: socket.socket) -> str:
+    """One whole HTTP response: headers and body may arrive in separate packets."""
+    sock.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        if not part:
+            return data.decode()
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        part = sock.recv(65536)
+        if not part:
+            break
+        body += part
+    return (head + b"\r\n\r\n" + body).decode()
+
+
 def test_idle_and_slowloris_connections_are_closed(server):
     """Regression: 200 idle and 100 slowloris connections were held open forever."""
     base, _, _ = server
@@ -67,8 +87,7 @@ def test_body_that_does_not_arrive_in_time_is_a_408(server):
     sock = _connect(base)
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                  b"\r\nContent-Length: 100\r\n\r\n{\"model\": ")
-    sock.settimeout(10)
-    reply = sock.recv(65536).decode()
+    reply = _read_response(sock)
     sock.close()
     assert reply.startswith("HTTP/1.1 408") and "request body not received" in reply
 

@@ -205,8 +205,11 @@ if triton is not None:
         base = b * stride_mb + heads * stride_mh + split * stride_ms
         # mid_o is contiguous [B, H, S, D]: its offsets are mid_lse's times HEAD_DIM.
         tl.store(mid_lse + base, lse, mask=h_valid)
+        # The emptiness test joins the mask as a vector: Triton's interpreter rejects a
+        # mask broadcast from a scalar comparison.
+        h_store = h_valid & (offs_h * 0 + hi > lo)
         tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=h_valid[:, None] & d_valid[None, :] & (hi > lo))
+                 mask=h_store[:, None] & d_valid[None, :])
 
     @triton.jit(do_not_specialize=["q_rows", "num_splits"])
     def _merge_kernel(
