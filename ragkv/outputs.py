@@ -74,3 +74,7 @@ class RequestOutput:
     # Set when serving the request failed (its completions end with finish_reason "error");
     # the message says why. Other requests are not affected.
     error: str | None = None
+    # With `Engine.add_request(..., score_tokens=m)`: log-probabilities [m, vocab] (float32,
+    # CPU) of the token after each of the last m prompt tokens; row m-1 is the distribution
+    # the first generated token was drawn from.
+    score_logprobs: object | None = None

@@ -92,7 +92,7 @@ class Engine:
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
         max_len = _max_model_len(config, mc)
         self.model = CausalLM(mc, max_len, self.dtype, self.device)
-        load_weights(self.model, checkpoint.weight_files)
+        load_weights(self.model, checkpoint)
         self.model.eval()
         self.layout = _cache_layout(config, mc, self.dtype, self.device, max_len)
         self.max_model_len = self.layout.max_model_len
@@ -162,12 +162,22 @@ class Engine:
         return self.process_prompt(prompt, params)
 
     def add_request(self, prompt: object, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    score_tokens: int = 0) -> str:
         """Validate and queue a request; raises ValueError (queuing nothing) on bad input.
-        `prompt` may be the result of `process_prompt` (validated again, cheaply)."""
+        `prompt` may be the result of `process_prompt` (validated again, cheaply).
+
+        `score_tokens=m` keeps the next-token log-probabilities after each of the last m
+        prompt tokens (`RequestOutput.score_logprobs`); they must lie in the question of a
+        RAG prompt, and are computed by the request itself, never read from a cache."""
         params = self._check_params(params)
         parsed = self.process_prompt(prompt, params)
         token_ids = parsed.token_ids
+        scorable = len(parsed.question) if parsed.chunks else len(token_ids)
+        if (not isinstance(score_tokens, int) or isinstance(score_tokens, bool)
+                or not 0 <= score_tokens <= scorable):
+            raise ValueError(f"score_tokens must be an integer in [0, {scorable}] (the "
+                             f"question's length), got {score_tokens!r}")
         if request_id is None:
             request_id = str(self._counter)
             self._counter += 1
@@ -199,6 +209,7 @@ class Engine:
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
+                num_scored_tokens=score_tokens,
             ))
         self._parents[request_id] = children
         for child in children:
@@ -276,6 +287,7 @@ class Engine:
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor,
                      include_unfinished: bool) -> list[RequestOutput]:
+        logits = self._keep_scores(sched, logits)
         sampled = [w.request for w in sched.works if w.sample]
         touched: dict[str, None] = {}
         if sampled:
@@ -306,6 +318,28 @@ class Engine:
                                          or all(c.status.finished for c in children)):
                 outputs.append(self._output(pid))
         return outputs
+
+    @staticmethod
+    def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
+        """Store the log-probabilities of scored prompt tokens; the rows to sample from."""
+        if not any(w.request.num_scored_tokens for w in sched.works):
+            return logits  # one row per sampling work
+        sample_rows: list[int] = []
+        row = 0
+        for w in sched.works:
+            n = w.end - w.logits_from
+            req = w.request
+            first = req.num_prompt_tokens - req.num_scored_tokens
+            lo, hi = max(w.logits_from, first), min(w.end, req.num_prompt_tokens)
+            if req.num_scored_tokens and lo < hi:
+                part = logits[row + lo - w.logits_from:row + hi - w.logits_from]
+                rows = torch.log_softmax(part.float(), dim=-1).cpu()
+                for t in range(lo, hi):  # by token: a recomputed token overwrites its row
+                    req.scores[t] = rows[t - lo]
+            if w.sample:
+                sample_rows.append(row + n - 1)
+            row += n
+        return logits[sample_rows]
 
     def _append_token(self, req: Request, token: int, logprob: float | None,
                       top: tuple[list[int], list[float], int] | None, now: float) -> None:
@@ -415,8 +449,15 @@ class Engine:
         return RequestOutput(
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=first.metrics, error=error,
+            metrics=first.metrics, error=error, score_logprobs=self._scores(first),
         )
+
+    @staticmethod
+    def _scores(req: Request) -> torch.Tensor | None:
+        first = req.num_prompt_tokens - req.num_scored_tokens
+        if not req.num_scored_tokens or len(req.scores) < req.num_scored_tokens:
+            return None
+        return torch.stack([req.scores[t] for t in range(first, req.num_prompt_tokens)])
 
     @staticmethod
     def _partial_text(req: Request) -> str:

@@ -113,6 +113,10 @@ class Request:
     chunk_keys: list[bytes | None] = field(default_factory=list)  # set on first lookup
     detokenizer: IncrementalDetokenizer | None = None
     error: str | None = None  # why the request failed (status FINISHED_ERROR)
+    # The last `num_scored_tokens` prompt tokens keep their next-token log-probabilities
+    # (flat index -> [vocab] float32 on the CPU): teacher-forced scoring for `ragkv eval`.
+    num_scored_tokens: int = 0
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -58,6 +58,9 @@ class SeqWork:
     token_ids: list[int]
     positions: list[int]
     sample: bool  # the step ends this request's pending tokens: sample the next one
+    # Flat index of the first token whose logits the step returns (`end` for none): the
+    # sampled token's, preceded by any scored prompt tokens (`Request.num_scored_tokens`).
+    logits_from: int = 0
 
     @property
     def num_kv(self) -> int:
@@ -150,6 +153,9 @@ class Scheduler:
                 # An ordinary prompt keeps one token to compute: its logits give the next
                 # token. A RAG prompt always computes its question, so S may match whole.
                 limit = req.layout.system_len if req.layout.is_rag else req.num_tokens - 1
+                # Scored prompt tokens need their own logits, so they are never taken from
+                # the cache.
+                limit = min(limit, req.num_prompt_tokens - req.num_scored_tokens)
                 req.num_computed_tokens = self.kv.match_prefix(req.kv, req.token_ids[:limit])
             used, stop = self._plan(req, budget, out, may_preempt=False)
             if stop is _Stop.FAILED:
@@ -382,9 +388,15 @@ class Scheduler:
 
 
 def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]) -> SeqWork:
+    sample = end == req.num_tokens
+    logits_from = end - 1 if sample else end
+    if req.num_scored_tokens:
+        scored_from = max(start, req.num_prompt_tokens - req.num_scored_tokens)
+        if scored_from < min(end, req.num_prompt_tokens):
+            logits_from = scored_from
     return SeqWork(
         request=req, start=start, end=end, kv_spans=spans,
         token_ids=req.token_ids[start:end],
         positions=req.layout.positions(start, end),
-        sample=end == req.num_tokens,
+        sample=sample, logits_from=logits_from,
     )

