@@ -44,16 +44,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
     from ragkv import LLM, SamplingParams
-    from ragkv.model.loader import resolve_model_path
+    from ragkv.model.loader import load_hf_model
 
-    path = resolve_model_path(args.model)
     llm = LLM(args.model, enable_prefix_caching=False,
               max_num_batched_tokens=max(2048, args.prompt_tokens))
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                              attn_implementation="sdpa").eval()
+    hf = load_hf_model(args.model)
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
 

@@ -91,13 +91,9 @@ def main() -> None:
     print(f"FLOP bound         {bound:8.1f} x   reached {speedup / bound:.0%} (target >= 50%)")
 
     if not args.no_hf:
-        from transformers import AutoModelForCausalLM
+        from ragkv.model.loader import load_hf_model
 
-        from ragkv.model.loader import resolve_model_path
-
-        hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model),
-                                                  dtype=torch.float32,
-                                                  attn_implementation="sdpa").eval()
+        hf = load_hf_model(args.model)
         ids, positions, mask = reference_inputs(BenchRequest(system, [], docs, tokens(q)))
 
         def hf_run() -> float:

@@ -1,4 +1,4 @@
-"""Command line: `ragkv serve | generate | bench | demo`."""
+"""Command line: `ragkv serve | generate | bench | eval | demo`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     """Engine flags, named as in vLLM, shared by every subcommand that loads a model."""
     if model_flag:
         parser.add_argument("--model", default="builtin:small",
-                            help="local HF directory, or builtin:tiny / builtin:small")
+                            help="local HF directory, GGUF file, smollm2-135m-instruct, or "
+                                 "builtin:tiny / builtin:small")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--dtype", default="auto",
                         help="auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16, "
@@ -131,6 +132,39 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from .eval.evaluate import (
+        evaluate,
+        format_summary,
+        pick_items,
+        plot_summary,
+        report_json,
+        summarize,
+    )
+    from .eval.suite import build_suite
+    from .llm import LLM
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    items = pick_items(build_suite(args.num_per_task, seed=args.suite_seed), args.limit)
+    llm = LLM(args.model, **engine_kwargs(args))
+    results = evaluate(llm, items, modes, max_tokens=args.max_tokens,
+                       progress=not args.no_progress)
+    summary = summarize(results)
+    print(f"model {args.model}: {len(items)} questions, suite seed {args.suite_seed}")
+    print(format_summary(summary))
+    if args.json:
+        meta = {"model": args.model, "suite_seed": args.suite_seed,
+                "num_per_task": args.num_per_task, "limit": args.limit,
+                "num_items": len(items), "modes": list(summary), "max_tokens": args.max_tokens}
+        with open(args.json, "w") as f:
+            json.dump(report_json(results, summary, meta), f, indent=2)
+        print(f"results written to {args.json}")
+    if args.plot:
+        plot_summary(summary, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -143,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    srv.add_argument("model", help="local HF directory, or builtin:tiny / builtin:small")
+    srv.add_argument("model", help="local HF directory, GGUF file, smollm2-135m-instruct, or "
+                                 "builtin:tiny / builtin:small")
     add_engine_args(srv, model_flag=False)
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to bind (default loopback only)")
@@ -194,10 +229,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="RAG workload: cold vs warm TTFT, checked for exactness",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--model", default="builtin:small")
-    demo.add_argument("--num-requests", type=int, default=8)
-    demo.add_argument("--max-tokens", type=int, default=12)
+    demo.add_argument("--model", default=None,
+                      help="default: smollm2-135m-instruct when installed, else builtin:small")
+    demo.add_argument("--num-requests", type=int, default=None,
+                      help="default: every question twice, in different document orders")
+    demo.add_argument("--max-tokens", type=int, default=24)
     demo.set_defaults(func=_demo)
+
+    ev = sub.add_parser("eval", help="RAG answer quality of each mode against full prefill",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(ev)
+    ev.set_defaults(model="smollm2-135m-instruct")
+    ev.add_argument("--modes", default="full,chunk",
+                    help="comma-separated eval modes (full always runs: it is the reference)")
+    ev.add_argument("--num-per-task", type=int, default=80,
+                    help="questions generated per task type")
+    ev.add_argument("--suite-seed", type=int, default=0, help="seed of the question suite")
+    ev.add_argument("--limit", type=int, default=None,
+                    help="run at most this many questions (round-robin over the tasks)")
+    ev.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
+    ev.add_argument("--json", default=None, help="write the summary and every answer here")
+    ev.add_argument("--plot", default=None, help="accuracy and gold likelihood as a PNG")
+    ev.add_argument("--no-progress", action="store_true")
+    ev.set_defaults(func=_eval)
 
     gen = sub.add_parser("generate", help="generate completions for prompts offline",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

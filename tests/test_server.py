@@ -406,7 +406,7 @@ def test_concurrent_integrity_checks_share_walks(server):
     assert len({r["kv_capacity_tokens"] for r in reports}) == 1
 
 
-def test_chat_documents_are_reused_across_different_histories(client):
+def test_chat_documents_are_reused_across_different_histories(server, client):
     """Regression (defect 12): the system part ran up to the last user message, so the same
     system message and documents missed the cache as soon as the history differed."""
     docs = ["The lighthouse keeper logs every ship at dawn.",
@@ -415,6 +415,7 @@ def test_chat_documents_are_reused_across_different_histories(client):
     first = client.chat.completions.create(
         model=MODEL, max_tokens=2, temperature=0, extra_body={"documents": docs},
         messages=[system, {"role": "user", "content": "When does the harbour close?"}])
+    hits_before = metric(server, "ragkv:chunk_cache_hits_total")
     again = client.chat.completions.create(
         model=MODEL, max_tokens=2, temperature=0, extra_body={"documents": docs},
         messages=[system, {"role": "user", "content": "Hello"},
@@ -424,4 +425,7 @@ def test_chat_documents_are_reused_across_different_histories(client):
     doc_words = sum(len(d.split()) for d in docs)
     assert first.usage.prompt_tokens_details.cached_tokens < doc_words
     assert again.usage.prompt_tokens_details.cached_tokens >= doc_words
+    # Both documents came from the chunk cache (prefix hits on the system header alone could
+    # also reach doc_words cached tokens).
+    assert metric(server, "ragkv:chunk_cache_hits_total") == hits_before + len(docs)
 

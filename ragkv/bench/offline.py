@@ -123,12 +123,10 @@ def run_hf(model: str, requests: list[BenchRequest], progress: bool = True) -> d
     """HF transformers computing the same prompts with ragkv's semantics (the reference's
     4-D mask and position ids): a full prefill per request, time to first token only."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from ..model.loader import resolve_model_path
+    from ..model.loader import load_hf_model
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(model), dtype=torch.float32,
-                                              attn_implementation="sdpa").eval()
+    hf = load_hf_model(model)
     times = []
     for req in tqdm(requests, desc="HF transformers", disable=not progress, leave=False):
         ids, positions, mask = reference_inputs(req)

@@ -141,6 +141,21 @@ def _inspect_gguf(path: str) -> Checkpoint:
     )
 
 
+def load_hf_model(model: str, attn_implementation: str = "sdpa"):
+    """The same checkpoint in HF transformers (float32), for the benchmarks' comparisons:
+    an HF directory as it is, a GGUF file through transformers' own GGUF loader (which needs
+    the gguf and accelerate packages)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    gguf_file = find_gguf_file(path)
+    kwargs = {"dtype": torch.float32, "attn_implementation": attn_implementation}
+    if gguf_file is not None:
+        path, kwargs["gguf_file"] = os.path.split(gguf_file)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+
+
 def load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
     """Copy every checkpoint tensor into its (possibly fused) destination; all must be found.
     GGUF tensors arrive dequantized (float32) and are cast to the destination's dtype."""

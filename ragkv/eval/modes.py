@@ -1,0 +1,58 @@
+"""How `ragkv eval` lays out one question's prompt in each mode: one registry, so a new
+attention or position mode (sequential positions, selective recompute) is one entry.
+
+Every mode gets the same tokens: the chat prompt split into S, chunks and Q by
+`Engine.process_chat` (documents after the system message). Modes differ only in what the
+model computes over them, so any difference in the answers is the cost of that mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..prompt import ChunkedPrompt, RAGPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class EvalMode:
+    """`build(prompt, tail)` is the engine prompt of `prompt` with `tail` tokens appended to
+    the question (the gold answer, when scoring it teacher-forced)."""
+
+    name: str
+    description: str
+    build: Callable[[ChunkedPrompt, list[int]], object]
+
+
+def _full(p: ChunkedPrompt, tail: list[int]) -> object:
+    flat = list(p.system) + [t for c in p.chunks for t in c] + list(p.question) + tail
+    return {"prompt_token_ids": flat}
+
+
+def _chunk(p: ChunkedPrompt, tail: list[int]) -> object:
+    return RAGPrompt(system=list(p.system), chunks=[list(c) for c in p.chunks],
+                     question=list(p.question) + tail, cache_salt=p.cache_salt)
+
+
+MODES: dict[str, EvalMode] = {}
+
+
+def register_mode(mode: EvalMode) -> None:
+    MODES[mode.name] = mode
+
+
+def get_mode(name: str) -> EvalMode:
+    mode = MODES.get(name)
+    if mode is None:
+        raise ValueError(f"unknown eval mode {name!r}; known: {', '.join(MODES)}")
+    return mode
+
+
+# The reference every other mode is compared with.
+REFERENCE = "full"
+
+register_mode(EvalMode("full", "an ordinary prompt: documents concatenated, causal attention, "
+                               "positions 0..N-1 (full prefill)", _full))
+register_mode(EvalMode("chunk", "chunk-cache reuse: each document sees S and itself, shared "
+                                "positions after S (positions=shared, attention=isolated)",
+                       _chunk))
