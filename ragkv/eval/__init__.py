@@ -1,0 +1,1 @@
+"""`ragkv eval`: RAG answer quality of each mode against full prefill."""
