@@ -429,3 +429,28 @@ def test_chat_documents_are_reused_across_different_histories(server, client):
     # also reach doc_words cached tokens).
     assert metric(server, "ragkv:chunk_cache_hits_total") == hits_before + len(docs)
 
+
+
+def test_integrity_gate_runs_few_walks_for_many_callers():
+    """Regression (defect 11): each of 40 concurrent /debug/integrity calls ran a walk of its
+    own on the engine thread. The gate lets concurrent callers share walks: at most two (the
+    one running and the next one), however many callers."""
+    import asyncio
+
+    from ragkv.server.app import _IntegrityGate
+
+    class CountingEngine:
+        walks = 0
+
+        async def call(self, fn):
+            CountingEngine.walks += 1
+            await asyncio.sleep(0.05)  # a walk takes a while on the engine thread
+            return {"ok": True}
+
+    async def main():
+        gate = _IntegrityGate(CountingEngine(), interval=0.0)
+        return await asyncio.gather(*(gate.check() for _ in range(40)))
+
+    reports = asyncio.run(main())
+    assert len(reports) == 40 and all(r["ok"] for r in reports)
+    assert CountingEngine.walks <= 2
