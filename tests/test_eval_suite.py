@@ -11,6 +11,7 @@ import pytest
 from ragkv import demo_corpus
 from ragkv.eval.suite import (
     MAX_DOCUMENTS,
+    MAX_TWO_HOP_DOCUMENTS,
     MIN_DOCUMENTS,
     TASKS,
     EvalItem,
@@ -46,7 +47,8 @@ def test_counts_and_ids(suite):
 
 def test_documents_are_well_formed(suite):
     for item in suite:
-        assert MIN_DOCUMENTS <= len(item.documents) <= MAX_DOCUMENTS, item.id
+        top = MAX_TWO_HOP_DOCUMENTS if item.task == "two-hop" else MAX_DOCUMENTS
+        assert MIN_DOCUMENTS <= len(item.documents) <= top, item.id
         assert len(set(item.documents)) == len(item.documents), item.id
         for doc in item.documents:
             assert "##" not in doc
