@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .config import DEFAULT_MAX_BODY_BYTES, EngineConfig
+from .config import CHUNK_ATTENTIONS, DEFAULT_MAX_BODY_BYTES, POSITION_STRATEGIES, EngineConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -36,6 +36,15 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--max-chunk-tokens", type=int, default=4096)
     parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error")
     parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256")
+    parser.add_argument("--position-strategy", choices=list(POSITION_STRATEGIES),
+                        default="shared",
+                        help="default RAG layout: chunks share the positions after the system "
+                             "prompt (shared) or follow one another (sequential)")
+    parser.add_argument("--chunk-attention", choices=list(CHUNK_ATTENTIONS),
+                        default="isolated",
+                        help="what a chunk attends to: the system prompt and itself "
+                             "(isolated) or itself only, reusable under any system prompt "
+                             "(standalone)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--max-n", type=int, default=128,

@@ -29,6 +29,9 @@ DEFAULT_CPU_KV_BYTES = 2 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # Fraction of free accelerator memory (after the weights are loaded) given to the pool.
 DEFAULT_GPU_KV_FRACTION = 0.85
+# RAG layouts (DESIGN §1): where chunks sit, and what a chunk's tokens attend to.
+POSITION_STRATEGIES = ("shared", "sequential")
+CHUNK_ATTENTIONS = ("isolated", "standalone")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,11 @@ class EngineConfig:
     max_chunk_tokens: int = 4096
     oversize_chunk: str = "error"
     chunk_hash_algo: str = "sha256"
+    # Default layout of a RAG prompt; a request may choose another (RAGPrompt, extra_body).
+    # shared: every chunk at positions right after S; sequential: one after another, as in
+    # an ordinary prompt. isolated: a chunk sees S and itself; standalone: itself only.
+    position_strategy: str = "shared"
+    chunk_attention: str = "isolated"
     # Check the scheduler's invariants after every step (also on with RAGKV_DEBUG_CHECKS=1).
     debug_checks: bool = False
     # Attention kernels: "auto" is "triton" on CUDA when Triton imports, else "torch".
@@ -88,6 +96,7 @@ class EngineConfig:
         if self.oversize_chunk not in ("error", "split"):
             raise ValueError(f"oversize_chunk must be 'error' or 'split', got "
                              f"{self.oversize_chunk!r}")
+        check_layout(self.position_strategy, self.chunk_attention)
         if self.chunk_hash_algo not in SUPPORTED_HASHES:
             raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, got "
                              f"{self.chunk_hash_algo!r}")
@@ -103,6 +112,16 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def check_layout(position_strategy: object, chunk_attention: object) -> None:
+    """A clear ValueError for a layout name that does not exist."""
+    if position_strategy not in POSITION_STRATEGIES:
+        raise ValueError(f"position_strategy must be one of {', '.join(POSITION_STRATEGIES)}, "
+                         f"got {position_strategy!r}")
+    if chunk_attention not in CHUNK_ATTENTIONS:
+        raise ValueError(f"chunk_attention must be one of {', '.join(CHUNK_ATTENTIONS)}, got "
+                         f"{chunk_attention!r}")
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

@@ -31,6 +31,9 @@ class RequestMetrics:
     num_chunk_hits: int = 0
     num_chunk_misses: int = 0
     num_chunk_cached_tokens: int = 0
+    # Chunk tokens whose keys attention sees rotated to positions other than their cached
+    # ones (sequential positions, standalone chunks).
+    num_repositioned_tokens: int = 0
     num_preemptions: int = 0
 
     @property

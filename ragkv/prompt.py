@@ -7,13 +7,17 @@ Accepted inputs:
   *tokens* breaks when the tokenizer merges the separator with its neighbours;
 - a `RAGPrompt(system, chunks, question)` of strings or token-id lists (lists used as given);
 - a dict: `{"prompt_token_ids": [...]}` (used as given) or `{"prompt": "..."}`, either with an
-  optional `"cache_salt"`.
+  optional `"cache_salt"`, `"position_strategy"` and `"chunk_attention"`.
 Separators never reach the model. Empty chunks are dropped; no chunks is an ordinary prompt.
+A prompt's `position_strategy` / `chunk_attention` (None: the engine's default) choose its RAG
+layout (DESIGN §1; see `config.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from .config import CHUNK_ATTENTIONS, POSITION_STRATEGIES
 
 # Where the documents go when a chat template is rendered; split out again afterwards.
 _DOC_SENTINEL = "\u2063ragkv-documents\u2063"
@@ -25,6 +29,8 @@ class RAGPrompt:
     chunks: list[str | list[int]] = field(default_factory=list)
     question: str | list[int] = ""
     cache_salt: str | None = None
+    position_strategy: str | None = None  # "shared" | "sequential"; None: engine default
+    chunk_attention: str | None = None  # "isolated" | "standalone"; None: engine default
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +43,8 @@ class ChunkedPrompt:
     question: list[int]
     text: str | None = None
     cache_salt: str | None = None
+    position_strategy: str | None = None
+    chunk_attention: str | None = None
 
     @property
     def is_rag(self) -> bool:
@@ -84,12 +92,14 @@ def check_text(name: str, text: str, max_chars: int | None = None) -> None:
 
 def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt:
     salt = None
+    layout: dict = {}
     if isinstance(prompt, dict):
         salt = prompt.get("cache_salt")
+        layout = {k: prompt[k] for k in ("position_strategy", "chunk_attention") if k in prompt}
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             _check_ids("prompt_token_ids", ids)
-            parsed = ChunkedPrompt([], [], list(ids), prompt.get("prompt"), salt)
+            parsed = ChunkedPrompt([], [], list(ids), prompt.get("prompt"), salt, **layout)
             return _finish(parsed, rules)
         if "prompt" not in prompt:
             raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
@@ -100,7 +110,8 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt
         raise ValueError("cache_salt must be a string")
     if isinstance(prompt, str):
         check_text("prompt", prompt, rules.max_prompt_chars)
-        return _finish(_split_text(prompt, tokenizer, rules.separator, salt), rules)
+        parsed = _split_text(prompt, tokenizer, rules.separator, salt)
+        return _finish(replace(parsed, **layout), rules)
     if isinstance(prompt, RAGPrompt):
         return _finish(_from_rag_prompt(prompt, tokenizer, rules.max_prompt_chars), rules)
     if isinstance(prompt, ChunkedPrompt):  # already tokenized (e.g. a split chat prompt)
@@ -157,7 +168,8 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None) -> ChunkedP
         system=tokens(p.system, "RAGPrompt.system", True),
         chunks=[c for c in chunks if c],
         question=tokens(p.question, "RAGPrompt.question", False),
-        text=None, cache_salt=p.cache_salt,
+        text=None, cache_salt=p.cache_salt, position_strategy=p.position_strategy,
+        chunk_attention=p.chunk_attention,
     )
 
 
@@ -166,6 +178,12 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
         if not isinstance(p.cache_salt, str):
             raise ValueError("cache_salt must be a string")
         check_text("cache_salt", p.cache_salt)
+    if p.position_strategy is not None and p.position_strategy not in POSITION_STRATEGIES:
+        raise ValueError(f"position_strategy must be one of {', '.join(POSITION_STRATEGIES)}, "
+                         f"got {p.position_strategy!r}")
+    if p.chunk_attention is not None and p.chunk_attention not in CHUNK_ATTENTIONS:
+        raise ValueError(f"chunk_attention must be one of {', '.join(CHUNK_ATTENTIONS)}, got "
+                         f"{p.chunk_attention!r}")
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:
@@ -191,8 +209,8 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
         chunks = [c[i:i + step] for c in chunks for i in range(0, len(c), step)]
     if not chunks:
         # No chunks: an ordinary prompt whose tokens are system + question.
-        return ChunkedPrompt([], [], p.system + p.question, p.text, p.cache_salt)
-    return ChunkedPrompt(p.system, chunks, p.question, p.text, p.cache_salt)
+        return replace(p, system=[], chunks=[], question=p.system + p.question)
+    return replace(p, chunks=chunks)
 
 
 def _check_ids(name: str, ids: object) -> None:

@@ -32,13 +32,75 @@ def rag_layout(s: int, chunk_lens: list[int], q: int) -> tuple[list[int], torch.
     return positions, visible
 
 
-def extend_layout(positions: list[int], visible: torch.Tensor,
-                  num_new: int) -> tuple[list[int], torch.Tensor]:
-    """Append generated tokens: each sees everything before it, positions continue."""
+def layout_reference(system: list[int], chunks: list[list[int]], question: list[int],
+                     position_strategy: str = "shared", chunk_attention: str = "isolated"
+                     ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """Token ids, positions, visibility [T, T] and hidden tokens [T] (bool: seen by no token
+    after the prompt) of one pass over a RAG prompt in any layout (DESIGN §1).
+
+    - positions `shared`: every chunk at s..; `sequential`: chunk i where it lies in the flat
+      prompt; Q after the longest chunk (shared) or the last one (sequential);
+    - attention `isolated`: a chunk sees S and itself, `standalone`: only itself; Q sees S,
+      every chunk and itself.
+    An isolated chunk sees S as if S ended right before the chunk: its KV is computed once
+    after S and re-positioned by rotating its keys, so a chunk placed at t_i > s sees S at
+    t_i-s .. t_i-1. The one-pass reference says exactly that with a copy of S at those
+    positions that only the chunk sees (`hidden`: nothing after the chunk sees the copy).
+    With `shared` positions, or for the first chunk, the copy would be S itself."""
+    s = len(system)
+    ids = list(system)
+    positions = list(range(s))
+    sees: list[list[int]] = [list(range(t + 1)) for t in range(s)]  # attended token indices
+    hidden: set[int] = set()
+    visible_after: list[int] = list(range(s))  # what the question sees
+    flat = s
+    for chunk in chunks:
+        target = flat if position_strategy == "sequential" else s
+        context: list[int] = []
+        if chunk_attention == "isolated" and s:
+            if target == s:
+                context = list(range(s))
+            else:  # a copy of S right before the chunk, hidden from everything else
+                base = len(ids)
+                ids.extend(system)
+                positions.extend(range(target - s, target))
+                context = list(range(base, base + s))
+                sees.extend(context[:j + 1] for j in range(s))
+                hidden.update(context)
+        start = len(ids)
+        ids.extend(chunk)
+        positions.extend(range(target, target + len(chunk)))
+        sees.extend(context + list(range(start, start + j + 1)) for j in range(len(chunk)))
+        visible_after.extend(range(start, start + len(chunk)))
+        flat += len(chunk)
+    if not chunks:
+        q_pos = s
+    elif position_strategy == "sequential":
+        q_pos = flat
+    else:
+        q_pos = s + max(map(len, chunks))
+    start = len(ids)
+    ids.extend(question)
+    positions.extend(range(q_pos, q_pos + len(question)))
+    sees.extend(visible_after + list(range(start, start + j + 1)) for j in range(len(question)))
+    visible = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+    for t, cols in enumerate(sees):
+        visible[t, cols] = True
+    hidden_mask = torch.zeros(len(ids), dtype=torch.bool)
+    hidden_mask[sorted(hidden)] = True
+    return ids, positions, visible, hidden_mask
+
+
+def extend_layout(positions: list[int], visible: torch.Tensor, num_new: int,
+                  hidden: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
+    """Append generated tokens: each sees everything before it (but `hidden` tokens),
+    positions continue."""
     t = visible.shape[0]
     grown = torch.zeros(t + num_new, t + num_new, dtype=torch.bool)
     grown[:t, :t] = visible
     grown[t:, :] = torch.ones(num_new, t + num_new, dtype=torch.bool).tril(t)
+    if hidden is not None:
+        grown[t:, :t] &= ~hidden
     last = positions[-1]
     return positions + list(range(last + 1, last + 1 + num_new)), grown
 
@@ -58,10 +120,10 @@ def reference_logprobs(hf_model, token_ids: list[int], positions: list[int],
 
 
 def reference_greedy(hf_model, token_ids: list[int], positions: list[int], visible: torch.Tensor,
-                     max_tokens: int, stop_ids: set[int] = frozenset()
-                     ) -> tuple[list[int], torch.Tensor]:
+                     max_tokens: int, stop_ids: set[int] = frozenset(),
+                     hidden: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor]:
     """Greedy generation by re-running the whole sequence each step. Returns the tokens and
-    the first step's log-probabilities."""
+    the first step's log-probabilities. Generated tokens do not see `hidden` tokens."""
     out: list[int] = []
     first = None
     ids, pos, vis = list(token_ids), list(positions), visible
@@ -74,5 +136,7 @@ def reference_greedy(hf_model, token_ids: list[int], positions: list[int], visib
         if tok in stop_ids:
             break
         ids.append(tok)
-        pos, vis = extend_layout(pos, vis, 1)
+        pos, vis = extend_layout(pos, vis, 1, hidden)
+        if hidden is not None:
+            hidden = torch.cat([hidden, torch.zeros(1, dtype=torch.bool)])
     return out, first

@@ -1,10 +1,15 @@
-"""Chunk KV cache: the KV of a document chunk computed under a system prompt, reusable by any
-request with that system prompt, at any place among its chunks.
+"""Chunk KV cache: the KV of a document chunk computed under a system prompt (or alone),
+reusable by any request with that system prompt (any system prompt), at any place among its
+chunks.
 
-Under ragkv's semantics a chunk's KV depends only on (model, system tokens, chunk tokens), so
-an entry is keyed by a hash of those and of a namespace (model fingerprint, dtype, strategy,
-the request's cache salt: tenants never share entries). Tokens are compared on every hit, so a
-hash collision can never serve wrong KV.
+Under ragkv's semantics a chunk's KV depends only on (model, system tokens, chunk tokens) for
+`isolated` chunks and on (model, chunk tokens) for `standalone` ones; its keys are stored
+rotated for the chunk's base positions (right after S, or from 0), and a request placing it
+elsewhere rotates them at attention time, never in the cache. So an entry is keyed by a hash of
+the tokens it depends on and of a namespace (model fingerprint, dtype, storage convention,
+attention scope, the request's cache salt: tenants never share entries); the position strategy
+is not part of it, because the stored bytes do not depend on it. Tokens are compared on every
+hit, so a hash collision can never serve wrong KV.
 
 Entries live in their own region of the KV pool with their own allocator, so the chunk cache
 cannot starve running requests nor be starved by them. Rules:
@@ -58,6 +63,10 @@ class ChunkCacheStats:
     evictions: int
     evicted_tokens: int
     avg_lookup_ms: float
+    # Chunk occurrences (and their tokens) used at positions other than the cached ones, so
+    # that attention sees their keys rotated (sequential positions, standalone chunks).
+    repositioned_chunks: int = 0
+    repositioned_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -83,6 +92,7 @@ class ChunkCache:
         self._orphans: list[ChunkEntry] = []  # abandoned but still pinned
         self.lookups = self.hits = self.misses = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = 0
+        self.repositioned_chunks = self.repositioned_tokens = 0
         self._lookup_seconds = 0.0
 
     @property
@@ -111,6 +121,11 @@ class ChunkCache:
             self.hit_tokens += len(tokens)
         self._lookup_seconds += time.perf_counter() - start
         return key, entry
+
+    def count_repositioned(self, num_tokens: int) -> None:
+        """A looked-up chunk of `num_tokens` is used away from its cached positions."""
+        self.repositioned_chunks += 1
+        self.repositioned_tokens += num_tokens
 
     def find(self, key: bytes, system: tuple[int, ...],
              tokens: tuple[int, ...]) -> ChunkEntry | None:
@@ -201,6 +216,8 @@ class ChunkCache:
             capacity_tokens=self.capacity, evictions=self.evictions,
             evicted_tokens=self.evicted_tokens,
             avg_lookup_ms=1000 * self._lookup_seconds / self.lookups if self.lookups else 0.0,
+            repositioned_chunks=self.repositioned_chunks,
+            repositioned_tokens=self.repositioned_tokens,
         )
 
     def check_integrity(self, pins: dict[int, int] | None = None) -> None:

@@ -6,7 +6,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,8 +48,9 @@ _DEFAULT_MAX_KV_TOKENS = 262_144
 _MAX_GRAPH_BATCH = 256
 
 
-# The only strategy built so far: chunks share positions after S and see only S and themselves.
-STRATEGY = "positions=shared,attention=isolated"
+# How chunk KV is stored, part of every chunk-cache key: keys rotated for the chunk's base
+# positions (after S for isolated chunks, from 0 for standalone ones).
+KV_STORAGE = "k=rope@base"
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +115,8 @@ class Engine:
         self.prompt_rules = PromptRules(mc.vocab_size, config.chunk_separator,
                                         config.max_chunk_tokens, config.oversize_chunk,
                                         max_chars)
-        self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{STRATEGY}"
+        self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{KV_STORAGE}"
+        self._check_rope(config.position_strategy, config.chunk_attention)
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, self.max_model_len, self.device)
         self.kv.slot_table = self.slot_table
@@ -149,17 +151,39 @@ class Engine:
         params = self._check_params(params)
         parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules)
         self._validate(len(parsed.token_ids), params)
+        if parsed.chunks:
+            self._check_rope(*self._layout_of(parsed))
         return parsed
+
+    def _layout_of(self, prompt: ChunkedPrompt) -> tuple[str, str]:
+        """(position_strategy, chunk_attention) of a prompt: its own, else the engine's."""
+        return (prompt.position_strategy or self.config.position_strategy,
+                prompt.chunk_attention or self.config.chunk_attention)
 
     def process_chat(self, messages: list[dict], documents: list[str] | None = None,
                      cache_salt: str | None = None,
-                     params: SamplingParams | None = None) -> ChunkedPrompt:
+                     params: SamplingParams | None = None,
+                     position_strategy: str | None = None,
+                     chunk_attention: str | None = None) -> ChunkedPrompt:
         """A chat request as a prompt (`split_chat_prompt` with the model's template and the
-        engine's separator), validated like `process_prompt`."""
+        engine's separator), validated like `process_prompt`; the layout arguments override
+        the engine's defaults for this request."""
         prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
                                       self.config.chunk_separator, cache_salt,
                                       self.prompt_rules.max_prompt_chars)
+        prompt = replace(prompt, position_strategy=position_strategy,
+                         chunk_attention=chunk_attention)
         return self.process_prompt(prompt, params)
+
+    def _check_rope(self, position_strategy: str, chunk_attention: str) -> None:
+        """Re-positioning rotates cached keys, which dynamic-NTK RoPE cannot do exactly."""
+        if ((position_strategy, chunk_attention) != ("shared", "isolated")
+                and self.model.rotary.dynamic):
+            raise ValueError(
+                f"position_strategy={position_strategy!r} with chunk_attention="
+                f"{chunk_attention!r} rotates cached keys to new positions, which is not exact "
+                "for this model's dynamic-NTK RoPE (its frequencies depend on the sequence "
+                "length): use position_strategy='shared' with chunk_attention='isolated'")
 
     def add_request(self, prompt: object, params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -187,10 +211,14 @@ class Engine:
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
-        layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks])
-        namespace = f"{self._namespace}|salt={parsed.cache_salt or ''}"
-        system = tuple(parsed.system)
+        strategy, attention = self._layout_of(parsed)
+        layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
+                                    strategy, attention)
+        namespace = f"{self._namespace}|attention={attention}|salt={parsed.cache_salt or ''}"
+        # A standalone chunk's KV does not depend on S: its key leaves S out.
+        system = tuple(parsed.system) if layout.sees_system else ()
         chunks = tuple(tuple(c) for c in parsed.chunks)
+        repositioned = sum(b - a for a, b, _ in layout.rotations)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -204,7 +232,9 @@ class Engine:
                 request_id=child_id, parent_id=request_id, index=i, prompt=parsed.text,
                 prompt_token_ids=token_ids, params=params, generator=generator,
                 max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
-                metrics=RequestMetrics(arrival_time=arrival), layout=layout,
+                metrics=RequestMetrics(arrival_time=arrival,
+                                       num_repositioned_tokens=repositioned),
+                layout=layout,
                 system=system, chunks=chunks, namespace=namespace,
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,

@@ -2,8 +2,8 @@
 Each step computes some of the rest; when all are computed the next token is sampled.
 
 A RAG request's tokens are laid out flat as S + C_1 + ... + C_n + Q + generated, and its
-`PromptLayout` says where each segment lies and which RoPE positions its tokens take
-(DESIGN §1: chunks share the range after S; Q starts after the longest chunk).
+`PromptLayout` says where each segment lies, which RoPE positions its tokens take, and how
+far each chunk's cached keys must be rotated to sit where the request places it (DESIGN §1).
 """
 
 from __future__ import annotations
@@ -35,21 +35,46 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PromptLayout:
-    """Flat token offsets of a prompt's segments. An ordinary prompt has no chunks and its
-    question segment is the whole prompt."""
+    """Flat token offsets of a prompt's segments and the positions of its tokens. An ordinary
+    prompt has no chunks and its question segment is the whole prompt.
+
+    A chunk's KV is always computed the same way, whatever the request does with it: at its
+    *base* positions, after S (`isolated`: base s, its KV list S + itself) or alone
+    (`standalone`: base 0, its KV list itself). That is what the chunk cache stores. The
+    request places chunk i at its *target* positions: s for every chunk (`shared`) or where
+    the chunk lies in the flat prompt (`sequential`); the question and generated tokens follow
+    the longest chunk (`shared`) or the last one (`sequential`). Whoever attends to chunk i
+    later sees its keys rotated by `chunk_deltas[i]` = target - base (`rotations`)."""
 
     system_len: int
     chunk_bounds: tuple[tuple[int, int], ...]  # [start, end) of each chunk
     question_start: int
     max_chunk_len: int
+    sees_system: bool = True  # chunk_attention == "isolated"
+    chunk_deltas: tuple[int, ...] = ()
+    # (start, end, delta) of every chunk whose keys are rotated, in flat token indices (which
+    # are also KV-list indices for the question and generated tokens).
+    rotations: tuple[tuple[int, int, int], ...] = ()
+    question_offset: int = 0  # RoPE position minus flat index, for Q and generated tokens
 
     @classmethod
-    def build(cls, system_len: int, chunk_lens: list[int]) -> PromptLayout:
+    def build(cls, system_len: int, chunk_lens: list[int], position_strategy: str = "shared",
+              chunk_attention: str = "isolated") -> PromptLayout:
         bounds, start = [], system_len
         for n in chunk_lens:
             bounds.append((start, start + n))
             start += n
-        return cls(system_len, tuple(bounds), start, max(chunk_lens, default=0))
+        sees_system = chunk_attention == "isolated"
+        base = system_len if sees_system else 0
+        sequential = position_strategy == "sequential"
+        deltas = tuple((a if sequential else system_len) - base for a, _ in bounds)
+        longest = max(chunk_lens, default=0)
+        return cls(
+            system_len=system_len, chunk_bounds=tuple(bounds), question_start=start,
+            max_chunk_len=longest, sees_system=sees_system, chunk_deltas=deltas,
+            rotations=tuple((a, b, d) for (a, b), d in zip(bounds, deltas, strict=True) if d),
+            question_offset=0 if sequential or not bounds else system_len + longest - start,
+        )
 
     @property
     def is_rag(self) -> bool:
@@ -64,16 +89,25 @@ class PromptLayout:
                 return i
         return None
 
+    def chunk_kv_spans(self, chunk: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The KV list (ranges of flat tokens) of chunk tokens computed up to flat `end`."""
+        start = self.chunk_bounds[chunk][0]
+        if self.sees_system and self.system_len:
+            return ((0, self.system_len), (start, end))
+        return ((start, end),)
+
     def positions(self, start: int, end: int) -> list[int]:
-        """RoPE positions of flat tokens [start, end), which lie in one segment."""
+        """RoPE positions of flat tokens [start, end), which lie in one segment; chunk tokens
+        at their base positions (where their KV is computed)."""
         s = self.system_len
         if end <= s:
             return list(range(start, end))
         if start >= self.question_start:
-            offset = s + self.max_chunk_len - self.question_start
+            offset = self.question_offset
             return list(range(start + offset, end + offset))
         chunk_start = self.chunk_bounds[self.chunk_at(start)][0]
-        return list(range(s + start - chunk_start, s + end - chunk_start))
+        base = s if self.sees_system else 0
+        return list(range(base + start - chunk_start, base + end - chunk_start))
 
 
 @dataclass(slots=True)
@@ -98,9 +132,11 @@ class Request:
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignored, stop ids)
     metrics: RequestMetrics
     layout: PromptLayout
-    system: tuple[int, ...] = ()  # S tokens and each chunk's tokens, as chunk-cache keys
+    # Chunk-cache keys: what a chunk's KV depends on besides its own tokens (S under isolated
+    # attention, nothing under standalone), and each chunk's tokens.
+    system: tuple[int, ...] = ()
     chunks: tuple[tuple[int, ...], ...] = ()
-    namespace: str = ""  # chunk-cache namespace (model, dtype, strategy, cache salt)
+    namespace: str = ""  # chunk-cache namespace (model, dtype, attention scope, cache salt)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
     kv: SeqKV = field(default_factory=SeqKV)

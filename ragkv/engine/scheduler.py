@@ -5,8 +5,10 @@ before those still prefilling, then waiting requests in arrival order. A request
 through its flat tokens (S, C_1..C_n, Q, generated) and a step may give it several works, one
 per segment, each an extend in the attention contract's terms:
 - system prompt: KV list = S so far (S is matched in the radix cache first);
-- chunk C_i: KV list = [S, C_i so far]; skipped altogether when the chunk cache has it;
-- question and decode: KV list = [S, C_1..C_n, Q so far].
+- chunk C_i: KV list = [S, C_i so far] (`standalone`: [C_i so far]), at the chunk's base
+  positions; skipped altogether when the chunk cache has it;
+- question and decode: KV list = [S, C_1..C_n, Q so far], with the keys of chunks placed
+  elsewhere than their base positions rotated by the attention backend (`kv_rotations`).
 A backend writes every new token's K/V of a step before it attends, so one step may hold a
 whole cold RAG prompt, and a request may use a chunk that another request computes in the
 same step. Long segments are split over steps (chunked prefill).
@@ -61,6 +63,9 @@ class SeqWork:
     # Flat index of the first token whose logits the step returns (`end` for none): the
     # sampled token's, preceded by any scored prompt tokens (`Request.num_scored_tokens`).
     logits_from: int = 0
+    # (start, end, delta) ranges of the KV list whose keys attention sees rotated by `delta`
+    # positions (cached chunks re-positioned; PromptLayout.rotations).
+    kv_rotations: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_kv(self) -> int:
@@ -213,8 +218,9 @@ class Scheduler:
                     n = min(end - x, budget - used)
                     req.kv.slots.extend(self._alloc(req, n, out, may_preempt))
                     spans = ((0, x + n),)
+                    rotations = layout.rotations if x >= layout.question_start else ()
                 else:
-                    start, end = layout.chunk_bounds[chunk]
+                    end = layout.chunk_bounds[chunk][1]
                     binding = req.bindings[chunk]
                     if binding is None:
                         binding = self._bind_chunk(req, chunk, out, may_preempt)
@@ -222,10 +228,11 @@ class Scheduler:
                         x = end  # reused: its KV is ready (or completes earlier this step)
                         continue
                     n = min(end - x, budget - used)
-                    spans = ((0, s), (start, x + n)) if s else ((start, x + n),)
+                    spans = layout.chunk_kv_spans(chunk, x + n)
+                    rotations = ()
                     if x + n == end and binding.entry is not None:
                         out.completing.append(binding.entry)
-                out.works.append(_work(req, x, x + n, spans))
+                out.works.append(_work(req, x, x + n, spans, rotations))
                 x += n
                 used += n
         except _Blocked as blocked:
@@ -242,6 +249,8 @@ class Scheduler:
         if cache is not None:
             if req.chunk_keys[i] is None:
                 req.chunk_keys[i], entry = cache.lookup(req.namespace, req.system, tokens)
+                if req.layout.chunk_deltas[i]:
+                    cache.count_repositioned(len(tokens))
                 if entry is None:
                     req.metrics.num_chunk_misses += 1
                 else:
@@ -387,7 +396,8 @@ class Scheduler:
                 raise AssertionError("scheduler: a completing chunk entry has no live owner")
 
 
-def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]) -> SeqWork:
+def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...],
+          rotations: tuple[tuple[int, int, int], ...]) -> SeqWork:
     sample = end == req.num_tokens
     logits_from = end - 1 if sample else end
     if req.num_scored_tokens:
@@ -398,5 +408,5 @@ def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]
         request=req, start=start, end=end, kv_spans=spans,
         token_ids=req.token_ids[start:end],
         positions=req.layout.positions(start, end),
-        sample=sample, logits_from=logits_from,
+        sample=sample, logits_from=logits_from, kv_rotations=rotations,
     )

@@ -9,6 +9,13 @@ Every attention call is the paged "extend" form. For each sequence in the batch:
 Nothing else: chunk isolation, shared system prompts and decode are all just which slots are
 in the list. Positions feed RoPE only and travel separately. A backend writes the step's new
 K/V into the pool and computes attention; GPU kernels implement the same interface.
+
+One addition for re-positioned chunks: a sequence may name ranges of its list whose keys it
+sees rotated by a position delta (a cached chunk placed elsewhere than where its keys were
+rotated; see engine/request.py). The pool is never modified for this, so a chunk's slots stay
+one copy shared by every request, whatever position each gives it. RoPE makes a score depend
+on the rotation of q against k only, so the backend may turn the query back by the delta
+instead of turning the keys forward: (R(-d) q) . k = q . (R(d) k).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from ..cache.kv_pool import KVPool
+from .layers import apply_rotary
 
 
 @dataclass(slots=True)
@@ -45,6 +53,16 @@ class AttentionMetadata:
     num_heads: int = 0
     num_kv_heads: int = 0
     backend_state: object = field(default=None)
+    # Re-positioned ranges: per sequence, (start, end, row) ranges of its KV list whose keys
+    # are seen rotated by a delta; row r of `rotation_cos` / `rotation_sin` ([R, head_dim])
+    # holds the rotation by minus that delta, to apply to the queries. Empty: none this step.
+    rotations: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
+    rotation_cos: torch.Tensor | None = None
+    rotation_sin: torch.Tensor | None = None
+
+    def rotated(self, i: int) -> bool:
+        """Whether sequence i sees some of its keys rotated."""
+        return bool(self.rotations and self.rotations[i])
 
     @property
     def num_seqs(self) -> int:
@@ -75,6 +93,61 @@ class _TorchState:
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
+def causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
+    """[q, k] bool, bottom-right causal: query t sees entries 0 .. k-q+t."""
+    rows = torch.arange(q, device=device)[:, None] + (k - q)
+    return torch.arange(k, device=device)[None, :] <= rows
+
+
+def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                      rotations: tuple[tuple[int, int, int], ...], cos: torch.Tensor,
+                      sin: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's attention when ranges of its keys are re-positioned.
+
+    q: [q_len, heads, d]; ks, vs: [k, kv_heads, d], its gathered KV list; `rotations`:
+    (start, end, row) ranges, ascending and disjoint, whose scores use the queries turned by
+    `cos[row]`, `sin[row]`; mask: [q_len, k] bool (True: attended) or None (all). The scores
+    of each range come from one matmul against the queries turned for it, so the cost over
+    plain attention is rotating q_len query rows per range, not the range's keys."""
+    q_len, heads, d = q.shape
+    k_len, kv_heads = ks.shape[0], ks.shape[1]
+    group = heads // kv_heads
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:
+        # [q_len, heads, d] -> [kv_heads, group * q_len, d]: the query heads of each KV head.
+        return x.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(
+            kv_heads, group * q_len, d)
+
+    keys = ks.permute(1, 2, 0)  # [kv_heads, d, k]
+    plain = grouped(q)
+    scores = q.new_empty(kv_heads, group * q_len, k_len)
+    done = 0
+    for start, end, row in rotations:
+        if done < start:
+            scores[:, :, done:start] = plain @ keys[:, :, done:start]
+        turned = apply_rotary(q, cos[row].expand(q_len, d), sin[row].expand(q_len, d))
+        scores[:, :, start:end] = grouped(turned) @ keys[:, :, start:end]
+        done = end
+    if done < k_len:
+        scores[:, :, done:] = plain @ keys[:, :, done:]
+    scores = scores.float().mul_(scale)
+    if mask is not None:
+        scores.view(kv_heads, group, q_len, k_len).masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(vs.dtype)
+    out = probs @ vs.transpose(0, 1)  # [kv_heads, group * q_len, d]
+    return out.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
+
+
+def attend_rotated(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata, i: int, index: torch.Tensor,
+                   mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+    """Sequence i of the step through `rotated_attention`, written into its rows of `out`."""
+    qs, ql = meta.q_starts[i], meta.q_lens[i]
+    out[qs:qs + ql] = rotated_attention(
+        q[qs:qs + ql], k_cache.index_select(0, index), v_cache.index_select(0, index),
+        meta.rotations[i], meta.rotation_cos, meta.rotation_sin, scale, mask)
+
+
 class TorchAttentionBackend:
     """Gather by slot index + torch SDPA. Works on any device; the CPU reference backend."""
 
@@ -82,8 +155,10 @@ class TorchAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         state = _TorchState()
-        decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
-        state.extend_seqs = [i for i, q in enumerate(meta.q_lens) if q != 1]
+        # Decode rows with re-positioned keys go one by one (rotated_attention).
+        decode = [i for i, q in enumerate(meta.q_lens) if q == 1 and not meta.rotated(i)]
+        state.extend_seqs = [i for i, q in enumerate(meta.q_lens)
+                             if q != 1 or meta.rotated(i)]
         device = meta.write_slots.device
         if decode:
             lens = [meta.kv_lens[i] for i in decode]
@@ -101,10 +176,8 @@ class TorchAttentionBackend:
             q, k = meta.q_lens[i], meta.kv_lens[i]
             if not meta.self_only[i]:
                 state.extend_index[i] = meta.kv_indices[i]
-            if q != k and (q, k) not in state.masks:
-                # Bottom-right causal: query t sees entries 0 .. k-q+t.
-                rows = torch.arange(q, device=device)[:, None] + (k - q)
-                state.masks[(q, k)] = torch.arange(k, device=device)[None, :] <= rows
+            if 1 < q != k and (q, k) not in state.masks:
+                state.masks[(q, k)] = causal_mask(q, k, device)
         meta.backend_state = state
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
@@ -117,6 +190,10 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for i in state.extend_seqs:
             qs, ql, kl = meta.q_starts[i], meta.q_lens[i], meta.kv_lens[i]
+            if meta.rotated(i):
+                attend_rotated(q, k_cache, v_cache, meta, i, state.extend_index[i],
+                               state.masks.get((ql, kl)), scale, out)
+                continue
             if meta.self_only[i]:
                 ks, vs = k[qs:qs + ql], v[qs:qs + ql]
             else:

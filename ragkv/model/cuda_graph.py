@@ -111,13 +111,13 @@ class DecodeGraphs:
 
     def can_run(self, works: Sequence) -> bool:
         """Only pure decode batches: one new token per sequence whose KV list is its whole
-        row so far (the last entry being the new token's slot)."""
+        row so far (the last entry being the new token's slot), with no re-positioned keys."""
         if not works or len(works) > self.max_batch:
             return False
         for w in works:
             spans = w.kv_spans
             if (len(w.token_ids) != 1 or len(spans) != 1 or spans[0][0] != 0
-                    or not w.sample):
+                    or not w.sample or w.kv_rotations):
                 return False
             if self.dynamic_rope and w.positions[0] >= self.max_positions:
                 return False

@@ -25,6 +25,7 @@ class Work(Protocol):
     sample: bool
     end: int  # flat index after the work's last token
     logits_from: int  # flat index of the first token whose logits are returned (end: none)
+    kv_rotations: tuple[tuple[int, int, int], ...]  # (start, end, delta) of the KV list
 
     @property
     def request(self): ...
@@ -57,6 +58,8 @@ class ModelRunner:
         rows, prefix = [], []
         kv_indices: list[torch.Tensor] = []
         logits_rows: list[int] = []
+        rotations: list[tuple[tuple[int, int, int], ...]] = []
+        deltas: dict[int, int] = {}  # delta -> its row in the step's rotation tables
         for w in works:
             row = w.request.kv.row
             spans = w.kv_spans
@@ -76,6 +79,8 @@ class ModelRunner:
             rows.append(row)
             prefix.append(len(spans) == 1 and spans[0][0] == 0)
             logits_rows.extend(range(len(input_ids) - (w.end - w.logits_from), len(input_ids)))
+            rotations.append(tuple((a, b, deltas.setdefault(d, len(deltas)))
+                                   for a, b, d in w.kv_rotations))
         dev = self.device
         write_slots = torch.cat([idx[k - q:] for idx, q, k in zip(kv_indices, q_lens, kv_lens,
                                                                    strict=True)]).long()
@@ -85,6 +90,12 @@ class ModelRunner:
             rows=rows, prefix=prefix, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
         )
+        if deltas:
+            # Attention turns each query back by a rotated range's delta instead of turning
+            # that range's keys forward: the same scores, for a handful of query rows.
+            meta.rotations = rotations
+            meta.rotation_cos, meta.rotation_sin = self.model.rotary.rotation(
+                [-d for d in deltas])
         self.backend.prepare(meta)
         # One transfer for ids, positions and logits rows; array('q') converts a long list of
         # ints several times faster than torch.tensor does.

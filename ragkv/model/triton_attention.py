@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.kv_pool import KVPool
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, attend_rotated, causal_mask
 
 try:
     import triton
@@ -368,6 +368,10 @@ class _TritonState:
     max_q_len: int = 0
     splits: int = 1
     merge: tuple[torch.Tensor, torch.Tensor] | None = None  # see extend_attention
+    # Sequences with re-positioned keys: (index, its KV slots, its mask or None). They go
+    # through the torch path of attention.py; a kernel that rotates in its K loads (or its
+    # queries per range) is the GPU backend's next step.
+    rotated: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
 
 
 def indptr_of(lengths: list[int]) -> list[int]:
@@ -392,9 +396,17 @@ class TritonAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         state = _TritonState()
         device = meta.write_slots.device
-        decode, extend = [], []
+        decode, extend, rotated = [], [], []
         for i in range(meta.num_seqs):
-            (decode if meta.q_lens[i] == 1 and meta.prefix[i] else extend).append(i)
+            if meta.rotated(i):
+                q, k = meta.q_lens[i], meta.kv_lens[i]
+                mask = causal_mask(q, k, device) if q > 1 else None
+                rotated.append((i, meta.kv_indices[i].long(), mask))
+            elif meta.q_lens[i] == 1 and meta.prefix[i]:
+                decode.append(i)
+            else:
+                extend.append(i)
+        state.rotated = rotated or None
         if decode:
             host = torch.tensor([[meta.rows[i] for i in decode],
                                  [meta.kv_lens[i] for i in decode],
@@ -435,6 +447,8 @@ class TritonAttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         state: _TritonState = meta.backend_state
         out = torch.empty_like(q)
+        for i, index, mask in state.rotated or ():
+            attend_rotated(q, k_cache, v_cache, meta, i, index, mask, scale, out)
         if state.extend is not None:
             kv_index, indptr, q_starts, q_lens = state.extend
             extend_attention(q, k_cache, v_cache, out, kv_index, indptr, q_starts, q_lens,

@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             _check_request_size(engine, 1, params)
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             prompt = await engine.prepare_chat(messages, body.documents, body.cache_salt,
-                                               params)
+                                               params, **body.layout())
             explicit = body.max_tokens is not None or body.max_completion_tokens is not None
             _check_lengths(engine, [prompt], params, explicit)
         except ErrorResponse as e:
@@ -312,9 +312,12 @@ def _completion_prompts(body: CompletionRequest) -> list:
         prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
     if not prompts:
         raise ErrorResponse(400, "prompt is empty", param="prompt")
+    extra = body.layout()
     if body.cache_salt is not None:
-        prompts = [{"prompt": p, "cache_salt": body.cache_salt} if isinstance(p, str)
-                   else {**p, "cache_salt": body.cache_salt} for p in prompts]
+        extra["cache_salt"] = body.cache_salt
+    if extra:
+        prompts = [{"prompt": p, **extra} if isinstance(p, str) else {**p, **extra}
+                   for p in prompts]
     return prompts
 
 

@@ -94,11 +94,14 @@ class AsyncEngine:
                                           prompt, params)
 
     async def prepare_chat(self, messages: list[dict], documents: list[str] | None,
-                           cache_salt: str | None, params: SamplingParams) -> ChunkedPrompt:
+                           cache_salt: str | None, params: SamplingParams,
+                           position_strategy: str | None = None,
+                           chunk_attention: str | None = None) -> ChunkedPrompt:
         """Render, split, tokenize and validate a chat request like `prepare`."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenizer_pool, self.engine.process_chat,
-                                          messages, documents, cache_salt, params)
+                                          messages, documents, cache_salt, params,
+                                          position_strategy, chunk_attention)
 
     async def submit(self, prompt: object, params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -34,6 +34,10 @@ class Metrics:
                                         "Chunk-cache lookups that found the chunk's KV.")
         self.chunk_cache_evictions = counter("ragkv:chunk_cache_evictions",
                                              "Chunk-cache entries evicted.")
+        self.chunk_repositioned_tokens = counter(
+            "ragkv:chunk_repositioned_tokens",
+            "Chunk tokens used at positions other than their cached ones, their keys rotated "
+            "at attention time (sequential positions, standalone chunks).")
         self.prefix_cache_queries = counter("ragkv:prefix_cache_queries",
                                             "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("ragkv:prefix_cache_hits",
@@ -65,6 +69,8 @@ class Metrics:
         self._advance(self.chunk_cache_queries, "chunk_queries", chunks.lookups)
         self._advance(self.chunk_cache_hits, "chunk_hits", chunks.hits)
         self._advance(self.chunk_cache_evictions, "chunk_evictions", chunks.evictions)
+        self._advance(self.chunk_repositioned_tokens, "chunk_repositioned",
+                      chunks.repositioned_tokens)
         self._advance(self.prefix_cache_queries, "prefix_queries", stats.prefix_queried_tokens)
         self._advance(self.prefix_cache_hits, "prefix_hits", stats.prefix_hit_tokens)
         self.chunk_cache_usage.set(chunks.usage)

@@ -1,5 +1,5 @@
 """OpenAI-compatible request models, with vLLM's extra sampling fields and ragkv's
-`documents`. Unknown fields are ignored, as OpenAI-compatible servers do."""
+`documents`, `position_strategy` and `chunk_attention`. Unknown fields are ignored, as OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
@@ -62,7 +62,15 @@ class _SamplingFields(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    # ragkv's RAG layout of this request (None: the server's default; see config.py).
+    position_strategy: Literal["shared", "sequential"] | None = None
+    chunk_attention: Literal["isolated", "standalone"] | None = None
     user: str | None = None
+
+    def layout(self) -> dict:
+        """The prompt keys of the layout fields that were given."""
+        return {k: v for k, v in (("position_strategy", self.position_strategy),
+                                  ("chunk_attention", self.chunk_attention)) if v is not None}
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
