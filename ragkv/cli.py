@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(ev)
     ev.set_defaults(model="smollm2-135m-instruct")
-    ev.add_argument("--modes", default="full,chunk",
+    ev.add_argument("--modes", default="full,chunk,sequential,standalone",
                     help="comma-separated eval modes (full always runs: it is the reference)")
     ev.add_argument("--num-per-task", type=int, default=80,
                     help="questions generated per task type")

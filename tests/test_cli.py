@@ -21,6 +21,20 @@ def test_generate_json_rag_prompt():
     assert all(len(x["token_ids"]) <= 5 and x["finish_reason"] for x in lines)
 
 
+def test_generate_with_a_layout():
+    prompt = "Sys ## doc one ## doc two ## question?"
+    outs = {}
+    for flags in ((), ("--position-strategy", "sequential", "--chunk-attention", "standalone")):
+        r = ragkv("generate", "--model", "builtin:tiny", "--json", "--max-tokens", "5",
+                  "--prompt", prompt, *flags)
+        assert r.returncode == 0, r.stderr
+        outs[flags] = json.loads(r.stdout)["token_ids"]
+    assert all(len(ids) == 5 for ids in outs.values())
+    r = ragkv("generate", "--model", "builtin:tiny", "--prompt", prompt,
+              "--position-strategy", "zigzag")
+    assert r.returncode == 2 and "position-strategy" in r.stderr
+
+
 def test_generate_bad_model_is_a_clear_error():
     r = ragkv("generate", "--model", "/does/not/exist", "--prompt", "x")
     assert r.returncode == 2

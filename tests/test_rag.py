@@ -12,7 +12,7 @@ import torch
 from conftest import random_prompt
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import causal_layout, rag_layout, reference_greedy
+from reference import layout_reference, reference_greedy
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 
@@ -31,27 +31,37 @@ def parts(prompt) -> tuple[list[int], list[list[int]], list[int]]:
     return [], [], list(prompt["prompt_token_ids"])
 
 
+def layout_of(prompt, llm=None) -> tuple[str, str]:
+    """(position_strategy, chunk_attention) a prompt runs with: its own, else the engine's."""
+    config = llm.config if llm is not None else None
+    strategy = (getattr(prompt, "position_strategy", None)
+                or (config.position_strategy if config else "shared"))
+    attention = (getattr(prompt, "chunk_attention", None)
+                 or (config.chunk_attention if config else "isolated"))
+    return strategy, attention
+
+
 @functools.cache
-def _reference(hf, system: tuple, chunks: tuple, question: tuple):
-    ids = list(system) + [t for c in chunks for t in c] + list(question)
-    if chunks:
-        positions, visible = rag_layout(len(system), [len(c) for c in chunks], len(question))
-    else:  # no chunks: an ordinary prompt
-        positions, visible = causal_layout(len(ids))
-    return reference_greedy(hf, ids, positions, visible, MAX_TOKENS)
+def _reference(hf, system: tuple, chunks: tuple, question: tuple, layout: tuple[str, str]):
+    # No chunks: an ordinary causal prompt, whatever the layout.
+    ids, positions, visible, hidden = layout_reference(
+        list(system), [list(c) for c in chunks], list(question), *layout)
+    return reference_greedy(hf, ids, positions, visible, MAX_TOKENS, hidden=hidden)
 
 
-def reference(hf, prompt):
+def reference(hf, prompt, layout: tuple[str, str] = ("shared", "isolated")):
     system, chunks, question = parts(prompt)
-    return _reference(hf, tuple(system), tuple(map(tuple, chunks)), tuple(question))
+    return _reference(hf, tuple(system), tuple(map(tuple, chunks)), tuple(question), layout)
 
 
-def check_outputs(hf, prompts, outs) -> None:
+def check_outputs(hf, prompts, outs, llm=None) -> None:
+    """Each output against the one-pass reference of its prompt's layout (the prompt's own,
+    else `llm`'s default)."""
     assert len(outs) == len(prompts)
     for prompt, out in zip(prompts, outs, strict=True):
         system, chunks, question = parts(prompt)
         assert out.prompt_token_ids == system + [t for c in chunks for t in c] + question
-        want, first_logp = reference(hf, prompt)
+        want, first_logp = reference(hf, prompt, layout_of(prompt, llm))
         got = out.outputs[0]
         assert got.token_ids == want
         assert got.token_ids[0] in got.logprobs[0]
@@ -69,7 +79,7 @@ def run(llm, hf, prompts, expect: list[str] | None = None):
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     llm.check_integrity()
     after = llm.get_chunk_cache_stats()
-    check_outputs(hf, prompts, outs)
+    check_outputs(hf, prompts, outs, llm)
     assert after.hits - before.hits == sum(o.metrics.num_chunk_hits for o in outs)
     assert after.misses - before.misses == sum(o.metrics.num_chunk_misses for o in outs)
     assert after.used_tokens <= after.capacity_tokens
@@ -107,8 +117,13 @@ def make_llm(model: str, **kwargs) -> LLM:
     return llm
 
 
-def rag(system, chunks, question, salt=None) -> RAGPrompt:
-    return RAGPrompt(system, chunks, question, cache_salt=salt)
+def rag(system, chunks, question, salt=None, layout: tuple[str, str] | None = None
+        ) -> RAGPrompt:
+    """A token-id RAG prompt; `layout` = (position_strategy, chunk_attention), None: the
+    engine's default."""
+    strategy, attention = layout or (None, None)
+    return RAGPrompt(system, chunks, question, cache_salt=salt, position_strategy=strategy,
+                     chunk_attention=attention)
 
 
 def plain(ids) -> dict:

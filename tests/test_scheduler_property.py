@@ -2,12 +2,15 @@
 with shared and duplicate chunks, on tiny KV pools, tiny chunk regions and tiny token budgets,
 arriving at random steps and aborted at random steps, driven one `engine.step()` at a time.
 
-Whatever the interleaving (chunked prefill, chunk jobs shared between requests, preemption and
-recompute, prefix-cache eviction, chunk-cache eviction), every request that finishes must give
-exactly the greedy tokens of the one-pass reference (DESIGN §1), `check_integrity()` must hold
-after every step, the engine must drain, and once idle every general slot and chunk pin must be
-back (and the chunk cache can be cleared to empty). Below it, a deterministic regression test:
-a workload, minimized, on which the scheduler before commit e88af73 broke the chunk cache.
+Each RAG request takes one of the four layouts (shared or sequential positions, isolated or
+standalone chunks), so entries are shared across layouts and re-positioned chunks meet every
+mechanism. Whatever the interleaving (chunked prefill, chunk jobs shared between requests,
+preemption and recompute, prefix-cache eviction, chunk-cache eviction), every request that
+finishes must give exactly the greedy tokens of the one-pass reference (DESIGN §1),
+`check_integrity()` must hold after every step, the engine must drain, and once idle every
+general slot and chunk pin must be back (and the chunk cache can be cleared to empty). Below
+it, a deterministic regression test: a workload, minimized, on which the scheduler before
+commit e88af73 broke the chunk cache.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import os
 from dataclasses import dataclass, field, replace
 
 import pytest
+import torch
 from conftest import random_prompt
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 from reference import (
-    causal_layout,
     extend_layout,
-    rag_layout,
+    layout_reference,
     reference_greedy,
     reference_logprobs,
 )
@@ -64,6 +67,12 @@ class Req:
     max_tokens: int
     arrive: int  # the step before which it is added
     abort: int | None = None  # aborted this many steps after it arrives (if still unfinished)
+    layout: int = 0  # index into LAYOUTS (RAG requests)
+
+
+# (position_strategy, chunk_attention): every RAG layout, mixed in one workload.
+LAYOUTS = (("shared", "isolated"), ("sequential", "isolated"), ("shared", "standalone"),
+           ("sequential", "standalone"))
 
 
 @dataclass(frozen=True)
@@ -84,7 +93,9 @@ class Workload:
         if req.chunks is None:
             return {"prompt_token_ids": system + question}
         chunks = [self.tokens(self.pool[i], 200) for i in req.chunks]
-        return RAGPrompt(system, chunks, question)
+        strategy, attention = LAYOUTS[req.layout]
+        return RAGPrompt(system, chunks, question, position_strategy=strategy,
+                         chunk_attention=attention)
 
 
 def prompt_len(w: Workload, req: Req) -> int:
@@ -121,6 +132,7 @@ def workloads(draw) -> Workload:
             max_tokens=draw(st.integers(1, MAX_TOKENS)),
             arrive=draw(st.just(0) | st.integers(0, 2) | st.integers(0, 12)),
             abort=draw(st.none() | st.none() | st.none() | st.integers(0, 20)),
+            layout=draw(st.integers(0, len(LAYOUTS) - 1)),
         )
         w = Workload(config, systems, pool, ())
         # Prompt plus output must fit max_model_len: drop chunks, then question tokens.
@@ -139,26 +151,23 @@ def workloads(draw) -> Workload:
 # --------------------------------------------------------------------------------- reference
 
 
-def _parts(prompt) -> tuple[tuple, tuple, tuple]:
+def _parts(prompt) -> tuple[tuple, tuple, tuple, tuple[str, str]]:
     if isinstance(prompt, RAGPrompt):
         return (tuple(prompt.system), tuple(tuple(c) for c in prompt.chunks),
-                tuple(prompt.question))
-    return (), (), tuple(prompt["prompt_token_ids"])
+                tuple(prompt.question), (prompt.position_strategy, prompt.chunk_attention))
+    return (), (), tuple(prompt["prompt_token_ids"]), LAYOUTS[0]
 
 
-def _layout(system: tuple, chunks: tuple, question: tuple):
-    ids = list(system) + [t for c in chunks for t in c] + list(question)
-    if chunks:
-        positions, visible = rag_layout(len(system), [len(c) for c in chunks], len(question))
-    else:  # no chunks: an ordinary prompt
-        positions, visible = causal_layout(len(ids))
-    return ids, positions, visible
+def _layout(system: tuple, chunks: tuple, question: tuple, layout: tuple[str, str]):
+    # No chunks: an ordinary prompt, whatever the layout.
+    return layout_reference(list(system), [list(c) for c in chunks], list(question), *layout)
 
 
 @functools.cache
-def _reference(hf, system: tuple, chunks: tuple, question: tuple) -> tuple[int, ...]:
-    ids, positions, visible = _layout(system, chunks, question)
-    return tuple(reference_greedy(hf, ids, positions, visible, MAX_TOKENS)[0])
+def _reference(hf, system: tuple, chunks: tuple, question: tuple,
+               layout: tuple[str, str]) -> tuple[int, ...]:
+    ids, positions, visible, hidden = _layout(system, chunks, question, layout)
+    return tuple(reference_greedy(hf, ids, positions, visible, MAX_TOKENS, hidden=hidden)[0])
 
 
 def check_greedy(hf, prompt, got: list[int]) -> None:
@@ -169,7 +178,7 @@ def check_greedy(hf, prompt, got: list[int]) -> None:
     key = _parts(prompt)
     if got == list(_reference(hf, *key))[:len(got)]:
         return
-    ids, positions, visible = _layout(*key)
+    ids, positions, visible, hidden = _layout(*key)
     for i, tok in enumerate(got):
         logp = reference_logprobs(hf, ids, positions, visible)
         best = int(logp.argmax())
@@ -177,7 +186,8 @@ def check_greedy(hf, prompt, got: list[int]) -> None:
             f"token {i}: got {tok} ({logp[tok]:.6f}), the reference's greedy choice is {best} "
             f"({logp[best]:.6f}); output {got}, reference {list(_reference(hf, *key))}")
         ids.append(tok)
-        positions, visible = extend_layout(positions, visible, 1)
+        positions, visible = extend_layout(positions, visible, 1, hidden)
+        hidden = torch.cat([hidden, torch.zeros(1, dtype=torch.bool)])
 
 
 def flat(prompt) -> list[int]:
@@ -278,6 +288,7 @@ def run_workload(path: str, hf, w: Workload, report=lambda text: None) -> list[s
         "preemption": any(o.metrics.num_preemptions for o in outputs.values()),
         "abort": bool(aborted), "chunk hit": bool(chunk_stats.hits),
         "chunk eviction": bool(chunk_stats.evictions), "prefix hit": bool(stats.prefix_hit_tokens),
+        "repositioned": any(o.metrics.num_repositioned_tokens for o in outputs.values()),
     }
     assert chunk_stats.used_tokens <= chunk_stats.capacity_tokens
     assert chunk_stats.lookups == chunk_stats.hits + chunk_stats.misses

@@ -144,6 +144,31 @@ def test_cached_tokens_and_chunk_hit_metrics(server, client):
     integrity(server)
 
 
+def test_layout_per_request_in_extra_body(server, client, offline):
+    """`position_strategy` / `chunk_attention` in the request body choose the prompt's layout,
+    on completions and chat, and give what the offline engine gives for that layout."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    before = metric(server, "ragkv:chunk_repositioned_tokens_total")
+    for layout in ({"position_strategy": "sequential"}, {"chunk_attention": "standalone"},
+                   {"position_strategy": "sequential", "chunk_attention": "standalone"}):
+        r = client.completions.create(model=MODEL, prompt=DOCS_PROMPT, max_tokens=8,
+                                      temperature=0, extra_body=layout)
+        want = offline.generate({"prompt": DOCS_PROMPT, **layout}, params, use_tqdm=False)[0]
+        assert r.choices[0].text == want.outputs[0].text
+        assert want.metrics.num_repositioned_tokens > 0
+    docs = ["Bread needs flour, water and salt.", "Rye bread is dense and dark."]
+    messages = [{"role": "system", "content": "You answer from the documents."},
+                {"role": "user", "content": "Which is denser?"}]
+    layout = {"position_strategy": "sequential", "chunk_attention": "standalone"}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                          temperature=0, extra_body={"documents": docs, **layout})
+    prompt = offline.engine.process_chat(messages, docs, **layout)
+    want = offline.generate(prompt, params, use_tqdm=False)[0]
+    assert chat.choices[0].message.content == want.outputs[0].text
+    assert metric(server, "ragkv:chunk_repositioned_tokens_total") > before
+    integrity(server)
+
+
 def test_api_key_enforced(server):
     url = f"{server}/v1/completions"
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
@@ -170,6 +195,10 @@ def test_api_key_enforced(server):
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": MODEL, "prompt": "x" * 300_000}, 413, "body"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "prompt": DOCS_PROMPT, "position_strategy": "zigzag"}, 400,
+     "position_strategy"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "q"}], "documents": ["d"],
+      "chunk_attention": "global"}, 400, "chunk_attention"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, status, fragment):
     chat = isinstance(body, dict) and "messages" in body

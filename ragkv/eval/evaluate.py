@@ -155,7 +155,8 @@ def report_json(results: list[EvalResult], summary: dict, meta: dict) -> dict:
 
 def format_summary(summary: dict) -> str:
     """One table: a row per mode and task (overall last)."""
-    head = (f"{'mode':<8} {'task':<14} {'n':>4} {'acc':>6} {'gold LL':>8} {'LL/tok':>7} "
+    width = max(8, *map(len, summary))
+    head = (f"{'mode':<{width}} {'task':<14} {'n':>4} {'acc':>6} {'gold LL':>8} {'LL/tok':>7} "
             f"{'KL':>7} {'top1':>6} {'TTFT ms':>8}")
     lines = [head, "-" * len(head)]
 
@@ -167,7 +168,7 @@ def format_summary(summary: dict) -> str:
         for task, g in groups:
             ttft = g["warm_ttft_ms_p50"] if g["warm_ttft_ms_p50"] is not None else g["ttft_ms_p50"]
             lines.append(
-                f"{mode:<8} {task:<14} {g['n']:>4} {g['accuracy']:>6.1%} "
+                f"{mode:<{width}} {task:<14} {g['n']:>4} {g['accuracy']:>6.1%} "
                 f"{g['gold_logprob']:>8.3f} {g['gold_logprob_per_token']:>7.3f} "
                 f"{fmt(g['kl'], '7.4f'):>7} {fmt(g['top1_agreement'], '6.1%'):>6} "
                 f"{ttft:>8.1f}")

@@ -29,9 +29,14 @@ def _full(p: ChunkedPrompt, tail: list[int]) -> object:
     return {"prompt_token_ids": flat}
 
 
-def _chunk(p: ChunkedPrompt, tail: list[int]) -> object:
-    return RAGPrompt(system=list(p.system), chunks=[list(c) for c in p.chunks],
-                     question=list(p.question) + tail, cache_salt=p.cache_salt)
+def _layout(position_strategy: str, chunk_attention: str
+            ) -> Callable[[ChunkedPrompt, list[int]], object]:
+    def build(p: ChunkedPrompt, tail: list[int]) -> object:
+        return RAGPrompt(system=list(p.system), chunks=[list(c) for c in p.chunks],
+                         question=list(p.question) + tail, cache_salt=p.cache_salt,
+                         position_strategy=position_strategy, chunk_attention=chunk_attention)
+
+    return build
 
 
 MODES: dict[str, EvalMode] = {}
@@ -55,4 +60,13 @@ register_mode(EvalMode("full", "an ordinary prompt: documents concatenated, caus
                                "positions 0..N-1 (full prefill)", _full))
 register_mode(EvalMode("chunk", "chunk-cache reuse: each document sees S and itself, shared "
                                 "positions after S (positions=shared, attention=isolated)",
-                       _chunk))
+                       _layout("shared", "isolated")))
+register_mode(EvalMode("sequential", "chunk-cache reuse with documents at their places in the "
+                                     "prompt (keys rotated), each seeing S and itself "
+                                     "(positions=sequential, attention=isolated)",
+                       _layout("sequential", "isolated")))
+register_mode(EvalMode("standalone", "chunk-cache reuse, documents at their places in the "
+                                     "prompt, each seeing only itself, so one cached copy "
+                                     "serves every system prompt (positions=sequential, "
+                                     "attention=standalone)",
+                       _layout("sequential", "standalone")))

@@ -118,23 +118,26 @@ def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
         return x.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(
             kv_heads, group * q_len, d)
 
-    keys = ks.permute(1, 2, 0)  # [kv_heads, d, k]
+    keys = ks.transpose(0, 1).contiguous()  # [kv_heads, k, d]
     plain = grouped(q)
     scores = q.new_empty(kv_heads, group * q_len, k_len)
     done = 0
     for start, end, row in rotations:
         if done < start:
-            scores[:, :, done:start] = plain @ keys[:, :, done:start]
+            torch.matmul(plain, keys[:, done:start].transpose(1, 2), out=scores[:, :, done:start])
         turned = apply_rotary(q, cos[row].expand(q_len, d), sin[row].expand(q_len, d))
-        scores[:, :, start:end] = grouped(turned) @ keys[:, :, start:end]
+        torch.matmul(grouped(turned), keys[:, start:end].transpose(1, 2),
+                     out=scores[:, :, start:end])
         done = end
     if done < k_len:
-        scores[:, :, done:] = plain @ keys[:, :, done:]
+        torch.matmul(plain, keys[:, done:].transpose(1, 2), out=scores[:, :, done:])
     scores = scores.float().mul_(scale)
     if mask is not None:
-        scores.view(kv_heads, group, q_len, k_len).masked_fill_(~mask, float("-inf"))
+        # Only the last q_len entries (the queries' own) can be masked.
+        tail = scores.view(kv_heads, group, q_len, k_len)[..., k_len - q_len:]
+        tail.masked_fill_(~mask[:, k_len - q_len:], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(vs.dtype)
-    out = probs @ vs.transpose(0, 1)  # [kv_heads, group * q_len, d]
+    out = probs @ vs.transpose(0, 1).contiguous()  # [kv_heads, group * q_len, d]
     return out.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
 
 
