@@ -87,6 +87,10 @@ class _TorchState:
     all_decode: bool = False  # every row is a decode row, in order: no row gather needed
     decode_index: torch.Tensor | None = None  # [B, max_k] slots, padded with slot 0
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_k] True where attended
+    # When decode rows have re-positioned keys: each entry's segment [B, max_k] (0: keys as
+    # stored, j: the row's j-th rotated range) and each row's query turns [B, m, head_dim]
+    # (cos, sin; turn 0 is the identity). See `turned_decode`.
+    decode_turns: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     extend_seqs: list[int] = field(default_factory=list)
     # Slot index tensors of the extend sequences that read the pool (not self_only).
     extend_index: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -112,33 +116,86 @@ def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
     q_len, heads, d = q.shape
     k_len, kv_heads = ks.shape[0], ks.shape[1]
     group = heads // kv_heads
+    dtype = q.dtype
+    # Scores and weights in float32 whatever the model dtype, as flash kernels keep them
+    # (a no-op in float32).
+    q, ks, vs = q.float(), ks.float(), vs.float()
 
     def grouped(x: torch.Tensor) -> torch.Tensor:
         # [q_len, heads, d] -> [kv_heads, group * q_len, d]: the query heads of each KV head.
         return x.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(
             kv_heads, group * q_len, d)
 
-    keys = ks.transpose(0, 1).contiguous()  # [kv_heads, k, d]
+    # [kv_heads, d, k] and [kv_heads, k, d] views of the gathered [k, kv_heads, d] rows: both
+    # have a unit stride in one of their last two dimensions, so matmul reads them in place.
+    keys = ks.permute(1, 2, 0)
     plain = grouped(q)
-    scores = q.new_empty(kv_heads, group * q_len, k_len)
+    parts = []
     done = 0
     for start, end, row in rotations:
         if done < start:
-            torch.matmul(plain, keys[:, done:start].transpose(1, 2), out=scores[:, :, done:start])
+            parts.append(plain @ keys[:, :, done:start])
         turned = apply_rotary(q, cos[row].expand(q_len, d), sin[row].expand(q_len, d))
-        torch.matmul(grouped(turned), keys[:, start:end].transpose(1, 2),
-                     out=scores[:, :, start:end])
+        parts.append(grouped(turned) @ keys[:, :, start:end])
         done = end
     if done < k_len:
-        torch.matmul(plain, keys[:, done:].transpose(1, 2), out=scores[:, :, done:])
-    scores = scores.float().mul_(scale)
+        parts.append(plain @ keys[:, :, done:])
+    scores = torch.cat(parts, dim=-1)  # [kv_heads, group * q_len, k]
+    scores.mul_(scale)
     if mask is not None:
         # Only the last q_len entries (the queries' own) can be masked.
         tail = scores.view(kv_heads, group, q_len, k_len)[..., k_len - q_len:]
         tail.masked_fill_(~mask[:, k_len - q_len:], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(vs.dtype)
-    out = probs @ vs.transpose(0, 1).contiguous()  # [kv_heads, group * q_len, d]
-    return out.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, heads, d)
+    probs = torch.softmax(scores, dim=-1)
+    out = probs @ vs.transpose(0, 1)  # [kv_heads, group * q_len, d]
+    return out.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(
+        q_len, heads, d).to(dtype)
+
+
+def build_decode_turns(meta: AttentionMetadata, decode: list[int], max_k: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_TorchState.decode_turns` of the decode rows `decode` (padded to `max_k` entries)."""
+    m = 1 + max(len(meta.rotations[i]) for i in decode)
+    segment = torch.zeros(len(decode), max_k, dtype=torch.long)
+    turn = torch.zeros(len(decode), m, dtype=torch.long)  # row of the extended tables below
+    for b, i in enumerate(decode):
+        for j, (start, end, row) in enumerate(meta.rotations[i], 1):
+            segment[b, start:end] = j
+            turn[b, j] = row + 1
+    d = meta.rotation_cos.shape[-1]
+    cos = torch.cat([meta.rotation_cos.new_ones(1, d), meta.rotation_cos])
+    sin = torch.cat([meta.rotation_sin.new_zeros(1, d), meta.rotation_sin])
+    turn = turn.to(device)
+    return segment.to(device), cos[turn], sin[turn]
+
+
+def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    """Batched decode attention with re-positioned key ranges, in float32.
+
+    q: [B, heads, d]; ks, vs: [B, kv_heads, k, d]; segment: [B, k], which of the row's m
+    query turns (cos, sin: [B, m, d]) each entry is scored with; mask: [B, 1, 1, k] or None.
+    Every query is turned m ways and scored against all entries ([B, kv_heads, m * group,
+    k]: m times the products of plain decode, which reads each key once either way), then
+    each entry keeps the score of its own turn."""
+    batch, heads, d = q.shape
+    kv_heads, k_len = ks.shape[1], ks.shape[2]
+    group, m, half = heads // kv_heads, cos.shape[1], d // 2
+    x = q.float()[:, None]  # [B, 1, heads, d]
+    c, s_ = cos[:, :, None, :half], sin[:, :, None, :half]
+    turned = torch.cat((x[..., :half] * c - x[..., half:] * s_,
+                        x[..., half:] * c + x[..., :half] * s_), dim=-1)  # [B, m, heads, d]
+    turned = turned.view(batch, m, kv_heads, group, d).transpose(1, 2).reshape(
+        batch, kv_heads, m * group, d)
+    scores = turned @ ks.float().transpose(-1, -2)  # [B, kv_heads, m * group, k]
+    pick = segment[:, None, None, None, :].expand(batch, kv_heads, 1, group, k_len)
+    scores = scores.view(batch, kv_heads, m, group, k_len).gather(2, pick).squeeze(2)
+    scores.mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ vs.float()  # [B, kv_heads, group, d]
+    return out.reshape(batch, heads, d).to(q.dtype)
 
 
 def attend_rotated(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -158,10 +215,8 @@ class TorchAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         state = _TorchState()
-        # Decode rows with re-positioned keys go one by one (rotated_attention).
-        decode = [i for i, q in enumerate(meta.q_lens) if q == 1 and not meta.rotated(i)]
-        state.extend_seqs = [i for i, q in enumerate(meta.q_lens)
-                             if q != 1 or meta.rotated(i)]
+        decode = [i for i, q in enumerate(meta.q_lens) if q == 1]
+        state.extend_seqs = [i for i, q in enumerate(meta.q_lens) if q != 1]
         device = meta.write_slots.device
         if decode:
             lens = [meta.kv_lens[i] for i in decode]
@@ -175,6 +230,8 @@ class TorchAttentionBackend:
                 state.decode_mask = mask[:, None, None, :]
             state.decode_rows = torch.tensor([meta.q_starts[i] for i in decode], device=device)
             state.all_decode = len(decode) == meta.num_seqs
+            if any(meta.rotated(i) for i in decode):
+                state.decode_turns = build_decode_turns(meta, decode, max_k, device)
         for i in state.extend_seqs:
             q, k = meta.q_lens[i], meta.kv_lens[i]
             if not meta.self_only[i]:
@@ -221,10 +278,13 @@ class TorchAttentionBackend:
             ks = k_cache.index_select(0, flat).view(shape).transpose(1, 2)  # [B, kvh, k, d]
             vs = v_cache.index_select(0, flat).view(shape).transpose(1, 2)
             qd = q if state.all_decode else q[state.decode_rows]
-            o = F.scaled_dot_product_attention(
-                qd.unsqueeze(2), ks, vs, attn_mask=state.decode_mask, scale=scale,
-                enable_gqa=gqa,
-            )[:, :, 0]
+            if state.decode_turns is not None:
+                o = turned_decode(qd, ks, vs, *state.decode_turns, state.decode_mask, scale)
+            else:
+                o = F.scaled_dot_product_attention(
+                    qd.unsqueeze(2), ks, vs, attn_mask=state.decode_mask, scale=scale,
+                    enable_gqa=gqa,
+                )[:, :, 0]
             if state.all_decode:
                 return o
             out[state.decode_rows] = o

@@ -193,18 +193,18 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.to(device)
 
     def rotation(self, deltas: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [len(deltas), head_dim] of the pure rotation by each position delta:
-        `apply_rotary(x, cos, sin)` turns a vector rotated for position p into the same vector
-        rotated for p + delta (RoPE angles are linear in the position, so R(p + d) = R(d)R(p);
-        no attention factor: the vector already carries it). Angles in float64, so that the
-        composition adds no rounding beyond the cast to the model dtype. Not for `dynamic`,
-        whose frequencies change with the sequence length."""
+        """cos, sin [len(deltas), head_dim] (float32) of the pure rotation by each position
+        delta: `apply_rotary(x, cos, sin)` turns a vector rotated for position p into the same
+        vector rotated for p + delta (RoPE angles are linear in the position, so R(p + d) =
+        R(d)R(p); no attention factor: the vector already carries it). Angles in float64, so
+        the composition adds no rounding beyond float32's. Not for `dynamic`, whose
+        frequencies change with the sequence length."""
         if self.dynamic:
             raise ValueError("dynamic-NTK RoPE cannot re-position keys by rotation")
         angles = (torch.tensor(deltas, dtype=torch.float64, device=self.inv_freq.device)[:, None]
                   * self.inv_freq.double()[None, :])
         emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().float(), emb.sin().float()
 
     def cos_sin(self, positions: torch.Tensor, seq_lens: list[int] | None = None,
                 q_lens: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

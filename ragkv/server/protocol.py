@@ -1,5 +1,6 @@
 """OpenAI-compatible request models, with vLLM's extra sampling fields and ragkv's
-`documents`, `position_strategy` and `chunk_attention`. Unknown fields are ignored, as OpenAI-compatible servers do."""
+`documents`, `position_strategy` and `chunk_attention`. Unknown fields are ignored, as
+OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
