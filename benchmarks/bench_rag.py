@@ -7,8 +7,9 @@ tokens). "Full prefill" computes all of it (caches cleared before each run); "wa
 every document already in the chunk cache, in a new order, with a new question, so only the
 question is computed. The bound is the FLOP ratio of the two (full prefill FLOPs / question-
 only FLOPs over the same context, DESIGN §5). HF transformers computing the same prompt with
-the reference mask is timed alongside. Warm TTFT is then measured for each layout (shared or
-sequential positions, isolated or standalone chunks), interleaved.
+the reference mask is timed alongside. Warm TTFT, and the decode step of a batch of 8 warm
+requests, are then measured for each layout (shared or sequential positions, isolated or
+standalone chunks), interleaved.
 
 Re-positioning: S + a 16-token document + a long document (default 4,096 tokens) + the
 question. Under `shared` positions the long document's cached keys are used where they were
@@ -40,6 +41,8 @@ def main() -> None:
     parser.add_argument("--num-docs", type=int, default=4)
     parser.add_argument("--question-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-batch", type=int, default=8,
+                        help="requests decoding together in the per-layout decode timing")
     parser.add_argument("--long-doc-tokens", type=int, default=4096,
                         help="the re-positioned document (0: skip that part)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers run")
@@ -120,7 +123,7 @@ def main() -> None:
         results["hf_full_prefill_s"] = t_hf
         print(f"HF full prefill    {t_hf * 1000:8.1f} ms   (same prompt, reference mask); "
               f"ragkv full / HF = {t_full / t_hf:.2f}, HF / ragkv warm = {t_hf / t_warm:.1f} x")
-    results["warm_ttft_by_layout_s"] = layout_ttfts(llm, system, docs, tokens, args)
+    results["by_layout"] = layout_ttfts(llm, system, docs, tokens, args)
     if args.long_doc_tokens:
         results["reposition"] = reposition_cost(llm, tokens, args)
     llm.check_integrity()
@@ -150,19 +153,39 @@ def layout_ttfts(llm, system, docs, tokens, args) -> dict:
         assert out.metrics.num_chunk_misses == 0 or not times[layout], "not warm"
         return out.metrics.ttft
 
+    decode = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    steps: dict[tuple[str, str], list[float]] = {layout: [] for layout in LAYOUTS}
+
+    def decode_step(layout) -> float:
+        """Mean decode step of a batch of `args.decode_batch` warm requests."""
+        prompts = []
+        for _ in range(args.decode_batch):
+            order = docs[:]
+            rng.shuffle(order)
+            prompts.append(RAGPrompt(system, order, tokens(args.question_tokens),
+                                     position_strategy=layout[0], chunk_attention=layout[1]))
+        outs = llm.generate(prompts, decode, use_tqdm=False)
+        first = max(o.metrics.first_token_time for o in outs)
+        last = max(o.metrics.last_token_time for o in outs)
+        return (last - first) / (decode.max_tokens - 1)
+
     for layout in LAYOUTS:
         warm(layout)  # computes the standalone entries; warms up the code paths
+        decode_step(layout)
     for _ in range(args.repeats):
         for layout in LAYOUTS:
             times[layout].append(warm(layout))
+            steps[layout].append(decode_step(layout))
     base = statistics.median(times[LAYOUTS[0]])
-    print("warm TTFT by layout (positions, chunk attention), same prompt shape:")
+    base_step = statistics.median(steps[LAYOUTS[0]])
+    print(f"warm TTFT and decode step (batch {args.decode_batch}) by layout (positions, chunk "
+          "attention), same prompt shape:")
     out = {}
-    for layout, values in times.items():
-        t = statistics.median(values)
-        out["/".join(layout)] = t
-        print(f"  {layout[0]:<10} {layout[1]:<10} {t * 1000:8.1f} ms   {t / base:5.2f} x shared/"
-              "isolated")
+    for layout in LAYOUTS:
+        t, step = statistics.median(times[layout]), statistics.median(steps[layout])
+        out["/".join(layout)] = {"warm_ttft_s": t, "decode_step_s": step}
+        print(f"  {layout[0]:<10} {layout[1]:<10} TTFT {t * 1000:7.1f} ms ({t / base:4.2f} x)   "
+              f"decode step {step * 1000:6.1f} ms ({step / base_step:4.2f} x)")
     return out
 
 

@@ -186,16 +186,21 @@ def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: 
     c, s_ = cos[:, :, None, :half], sin[:, :, None, :half]
     turned = torch.cat((x[..., :half] * c - x[..., half:] * s_,
                         x[..., half:] * c + x[..., :half] * s_), dim=-1)  # [B, m, heads, d]
-    turned = turned.view(batch, m, kv_heads, group, d).transpose(1, 2).reshape(
-        batch, kv_heads, m * group, d)
-    scores = turned @ ks.float().transpose(-1, -2)  # [B, kv_heads, m * group, k]
-    pick = segment[:, None, None, None, :].expand(batch, kv_heads, 1, group, k_len)
-    scores = scores.view(batch, kv_heads, m, group, k_len).gather(2, pick).squeeze(2)
-    scores.mul_(scale)
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ vs.float()  # [B, kv_heads, group, d]
-    return out.reshape(batch, heads, d).to(q.dtype)
+    turned = turned.view(batch, m, kv_heads, group, d)
+    pick = segment[:, None, None, :].expand(batch, 1, group, k_len)
+    ks, vs = ks.float(), vs.float()
+    out = q.new_empty(batch, kv_heads, group, d, dtype=torch.float32)
+    # One KV head at a time: ks[:, h] is a batch of row-major matrices that bmm reads in
+    # place; the whole [B, kv_heads, k, d] view would be copied first.
+    for h in range(kv_heads):
+        rows = turned[:, :, h].reshape(batch, m * group, d)
+        scores = torch.bmm(rows, ks[:, h].transpose(1, 2))  # [B, m * group, k]
+        scores = scores.view(batch, m, group, k_len).gather(1, pick).squeeze(1)
+        scores.mul_(scale)
+        if mask is not None:
+            scores.masked_fill_(~mask[:, 0], float("-inf"))
+        torch.bmm(torch.softmax(scores, dim=-1), vs[:, h], out=out[:, h])
+    return out.view(batch, heads, d).to(q.dtype)
 
 
 def attend_rotated(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
