@@ -1,5 +1,5 @@
 """`ragkv eval` on a tiny random model: the report's counts add up, a mode identical to the
-reference scores KL 0 and full top-1 agreement, and the chunk mode's figures are well formed."""
+reference scores KL 0 and full top-1 agreement, and the reuse modes' figures are well formed."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def test_cli_report_counts_add_up(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "overall" in r.stdout
     report = json.loads(out.read_text())
-    assert report["num_items"] == 7 and report["modes"] == ["full", "chunk"]
-    assert len(report["items"]) == 7 * 2
+    modes = ["full", "chunk", "sequential", "standalone"]
+    assert report["num_items"] == 7 and report["modes"] == modes
+    assert len(report["items"]) == 7 * len(modes)
     for mode, data in report["summary"].items():
         overall, by_task = data["overall"], data["by_task"]
         assert overall["n"] == 7 == sum(g["n"] for g in by_task.values())
@@ -50,9 +51,10 @@ def test_mode_equal_to_reference_scores_kl_zero(tiny):
         full = get_mode("full")
         register_mode(EvalMode("full-again", "the reference again", full.build))
     items = pick_items(build_suite(3, seed=1), 5)
-    results = evaluate(tiny, items, ["full-again", "chunk"], max_tokens=3, progress=False)
+    results = evaluate(tiny, items, ["full-again", "chunk", "sequential", "standalone"],
+                       max_tokens=3, progress=False)
     summary = summarize(results)
-    assert list(summary) == ["full", "full-again", "chunk"]
+    assert list(summary) == ["full", "full-again", "chunk", "sequential", "standalone"]
     again = summary["full-again"]["overall"]
     assert again["top1_agreement"] == 1.0
     assert abs(again["kl"]) < 1e-6
@@ -60,10 +62,14 @@ def test_mode_equal_to_reference_scores_kl_zero(tiny):
                                                   abs=1e-4)
     full_answers = [r.prediction for r in results if r.mode == "full"]
     assert [r.prediction for r in results if r.mode == "full-again"] == full_answers
-    chunk = summary["chunk"]["overall"]
-    # Random weights: isolated chunks change the distributions, measurably.
-    assert chunk["kl"] > 1e-6 and math.isfinite(chunk["gold_logprob"])
-    assert chunk["warm_requests"] >= 0
+    for name in ("chunk", "sequential", "standalone"):
+        mode = summary[name]["overall"]
+        # Random weights: isolated chunks change the distributions, measurably.
+        assert mode["kl"] > 1e-6 and math.isfinite(mode["gold_logprob"])
+        assert mode["warm_requests"] >= 0
+    # Each layout computes something of its own.
+    assert len({summary[m]["overall"]["gold_logprob"]
+                for m in ("chunk", "sequential", "standalone")}) == 3
     tiny.check_integrity()
 
 

@@ -169,7 +169,11 @@ def run_offline(model: str, modes: list[str], config: WorkloadConfig, engine_kwa
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    results: dict = {"model": model, "workload": config.to_dict(), "modes": {}}
+    # The layout of the chunk mode's prompts (--position-strategy, --chunk-attention).
+    layout = {k: engine_kwargs.get(k, v) for k, v in (("position_strategy", "shared"),
+                                                       ("chunk_attention", "isolated"))}
+    results: dict = {"model": model, "workload": config.to_dict(), "layout": layout,
+                     "modes": {}}
     mc = inspect_checkpoint(model).model_config
     requests = make_workload(config, mc.vocab_size)
     for mode in modes:
@@ -195,6 +199,8 @@ def format_table(results: dict) -> str:
     ms = 1000.0
     lines = [
         f"model {results['model']}; workload {results['workload']}",
+        "chunk mode layout: positions {position_strategy}, chunk attention "
+        "{chunk_attention}".format(**results["layout"]),
         f"{'mode':<7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'E2E p50':>9} {'out tok/s':>10} "
         f"{'prefix hit':>10} {'chunk hit':>9} {'warm TTFT p50':>14}",
     ]
