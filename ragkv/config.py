@@ -114,14 +114,14 @@ class EngineConfig:
         return [f.name for f in fields(cls)]
 
 
-def check_layout(position_strategy: object, chunk_attention: object) -> None:
-    """A clear ValueError for a layout name that does not exist."""
-    if position_strategy not in POSITION_STRATEGIES:
-        raise ValueError(f"position_strategy must be one of {', '.join(POSITION_STRATEGIES)}, "
-                         f"got {position_strategy!r}")
-    if chunk_attention not in CHUNK_ATTENTIONS:
-        raise ValueError(f"chunk_attention must be one of {', '.join(CHUNK_ATTENTIONS)}, got "
-                         f"{chunk_attention!r}")
+def check_layout(position_strategy: object, chunk_attention: object,
+                 allow_default: bool = False) -> None:
+    """A clear ValueError for a layout name that does not exist; with `allow_default`, None
+    (the engine's default, in a prompt) is accepted too."""
+    for name, value, choices in (("position_strategy", position_strategy, POSITION_STRATEGIES),
+                                 ("chunk_attention", chunk_attention, CHUNK_ATTENTIONS)):
+        if value not in choices and not (allow_default and value is None):
+            raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

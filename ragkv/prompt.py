@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import CHUNK_ATTENTIONS, POSITION_STRATEGIES
+from .config import check_layout
 
 # Where the documents go when a chat template is rendered; split out again afterwards.
 _DOC_SENTINEL = "\u2063ragkv-documents\u2063"
@@ -178,12 +178,7 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
         if not isinstance(p.cache_salt, str):
             raise ValueError("cache_salt must be a string")
         check_text("cache_salt", p.cache_salt)
-    if p.position_strategy is not None and p.position_strategy not in POSITION_STRATEGIES:
-        raise ValueError(f"position_strategy must be one of {', '.join(POSITION_STRATEGIES)}, "
-                         f"got {p.position_strategy!r}")
-    if p.chunk_attention is not None and p.chunk_attention not in CHUNK_ATTENTIONS:
-        raise ValueError(f"chunk_attention must be one of {', '.join(CHUNK_ATTENTIONS)}, got "
-                         f"{p.chunk_attention!r}")
+    check_layout(p.position_strategy, p.chunk_attention, allow_default=True)
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:

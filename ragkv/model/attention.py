@@ -241,7 +241,7 @@ class TorchAttentionBackend:
             q, k = meta.q_lens[i], meta.kv_lens[i]
             if not meta.self_only[i]:
                 state.extend_index[i] = meta.kv_indices[i]
-            if 1 < q != k and (q, k) not in state.masks:
+            if q != k and (q, k) not in state.masks:
                 state.masks[(q, k)] = causal_mask(q, k, device)
         meta.backend_state = state
 
