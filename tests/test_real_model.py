@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from reference import causal_layout, extend_layout, rag_layout
+from reference import causal_layout, extend_layout, layout_reference, rag_layout
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.model.loader import real_model_available, resolve_model_path
@@ -46,16 +46,19 @@ def hf():
 
 
 @torch.inference_mode()
-def generate_and_check(llm, hf, prompt, ids, positions, visible, max_tokens: int):
+def generate_and_check(llm, hf, prompt, ids, positions, visible, max_tokens: int,
+                       hidden=None, prompt_ids=None):
     """ragkv's greedy output, checked teacher-forced in one HF pass over the prompt and the
-    generated tokens (each generated token sees everything before it): every token must be
-    HF's argmax after the tokens before it, which by induction is HF's greedy sequence."""
+    generated tokens (each generated token sees everything before it but `hidden` reference
+    tokens): every token must be HF's argmax after the tokens before it, which by induction
+    is HF's greedy sequence. `prompt_ids`: the engine's prompt tokens where the reference's
+    `ids` hold more (copies of S for sequential layouts)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
     out = llm.generate(prompt, params, use_tqdm=False)[0]
     got = out.outputs[0]
-    assert out.prompt_token_ids == ids
+    assert out.prompt_token_ids == (ids if prompt_ids is None else prompt_ids)
     fed = got.token_ids[:-1]
-    positions, visible = extend_layout(positions, visible, len(fed))
+    positions, visible = extend_layout(positions, visible, len(fed), hidden)
     mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     logits = hf(input_ids=torch.tensor([ids + fed]), attention_mask=mask[None, None],
                 position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
@@ -116,3 +119,34 @@ def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
         hits = llm.get_chunk_cache_stats().hits - before.hits
         assert hits == (0 if chunks is docs else 3)
         assert out.outputs[0].text  # what a 135M model makes of isolated documents varies
+
+
+@pytest.mark.parametrize("layout", [("sequential", "isolated"), ("sequential", "standalone"),
+                                    ("shared", "standalone")])
+def test_layouts_match_one_pass_reference_cold_and_warm(llm, hf, layout):
+    """Chunks re-positioned by rotating their keys: sequential positions, standalone chunks."""
+    tok = llm.engine.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    system = encode("<|im_start|>system\nAnswer from the documents.<|im_end|>\n"
+                    "<|im_start|>user\nDocuments:\n")
+    docs = [encode(d) for d in (
+        "The Ormsby Lighthouse on Kell Point was lit for the first time in 1902.\n",
+        "Kell Point is a rocky cape where seals rest on the shingle in spring.\n",
+        "The keeper of the Ormsby Lighthouse for forty years was Tobias Wren.\n",
+    )]
+    question = encode("Who kept the Ormsby Lighthouse?<|im_end|>\n<|im_start|>assistant\n")
+    strategy, attention = layout
+    for chunks in (docs, [docs[2], docs[0], docs[1]]):
+        before = llm.get_chunk_cache_stats()
+        ids, positions, visible, hidden = layout_reference(system, chunks, question, *layout)
+        flat = system + [t for c in chunks for t in c] + question
+        out = generate_and_check(
+            llm, hf, RAGPrompt(system, chunks, question, position_strategy=strategy,
+                               chunk_attention=attention),
+            ids, positions, visible, 12, hidden=hidden, prompt_ids=flat)
+        if chunks is not docs:  # the second time every document is cached
+            assert llm.get_chunk_cache_stats().hits - before.hits == 3
+        assert out.metrics.num_repositioned_tokens > 0
