@@ -96,7 +96,10 @@ def test_chat_prompt_answers_like_hf(llm, hf):
     assert out.outputs[0].finish_reason == "stop"
 
 
-def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
+def chatml_rag(llm, documents: list[str], question: str
+               ) -> tuple[list[int], list[list[int]], list[int]]:
+    """(S, chunks, Q) token lists of a ChatML RAG prompt: the system turn and the start of the
+    user turn, one chunk per document, the question and the assistant header."""
     tok = llm.engine.tokenizer
 
     def encode(text: str) -> list[int]:
@@ -104,12 +107,16 @@ def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
 
     system = encode("<|im_start|>system\nAnswer from the documents.<|im_end|>\n"
                     "<|im_start|>user\nDocuments:\n")
-    docs = [encode(d) for d in (
+    return (system, [encode(d) for d in documents],
+            encode(f"{question}<|im_end|>\n<|im_start|>assistant\n"))
+
+
+def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
+    system, docs, question = chatml_rag(llm, [
         "The Velmora Bridge in Caldis was built in 1894 by the engineer Ada Pell.\n",
         "Caldis is a port city known for its glass markets and its winter festival.\n",
         "The river Sorn flows under the Velmora Bridge before it reaches the sea.\n",
-    )]
-    question = encode("Who built the Velmora Bridge?<|im_end|>\n<|im_start|>assistant\n")
+    ], "Who built the Velmora Bridge?")
     for chunks in (docs, [docs[2], docs[0], docs[1]]):  # cold, then warm and reordered
         before = llm.get_chunk_cache_stats()
         ids = system + [t for c in chunks for t in c] + question
@@ -125,19 +132,11 @@ def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
                                     ("shared", "standalone")])
 def test_layouts_match_one_pass_reference_cold_and_warm(llm, hf, layout):
     """Chunks re-positioned by rotating their keys: sequential positions, standalone chunks."""
-    tok = llm.engine.tokenizer
-
-    def encode(text: str) -> list[int]:
-        return tok(text, add_special_tokens=False)["input_ids"]
-
-    system = encode("<|im_start|>system\nAnswer from the documents.<|im_end|>\n"
-                    "<|im_start|>user\nDocuments:\n")
-    docs = [encode(d) for d in (
+    system, docs, question = chatml_rag(llm, [
         "The Ormsby Lighthouse on Kell Point was lit for the first time in 1902.\n",
         "Kell Point is a rocky cape where seals rest on the shingle in spring.\n",
         "The keeper of the Ormsby Lighthouse for forty years was Tobias Wren.\n",
-    )]
-    question = encode("Who kept the Ormsby Lighthouse?<|im_end|>\n<|im_start|>assistant\n")
+    ], "Who kept the Ormsby Lighthouse?")
     strategy, attention = layout
     for chunks in (docs, [docs[2], docs[0], docs[1]]):
         before = llm.get_chunk_cache_stats()
