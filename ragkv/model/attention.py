@@ -153,7 +153,7 @@ def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
 
 
 def build_decode_turns(meta: AttentionMetadata, decode: list[int], max_k: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_TorchState.decode_turns` of the decode rows `decode` (padded to `max_k` entries)."""
     m = 1 + max(len(meta.rotations[i]) for i in decode)
     segment = torch.zeros(len(decode), max_k, dtype=torch.long)
@@ -181,11 +181,10 @@ def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: 
     each entry keeps the score of its own turn."""
     batch, heads, d = q.shape
     kv_heads, k_len = ks.shape[1], ks.shape[2]
-    group, m, half = heads // kv_heads, cos.shape[1], d // 2
-    x = q.float()[:, None]  # [B, 1, heads, d]
-    c, s_ = cos[:, :, None, :half], sin[:, :, None, :half]
-    turned = torch.cat((x[..., :half] * c - x[..., half:] * s_,
-                        x[..., half:] * c + x[..., :half] * s_), dim=-1)  # [B, m, heads, d]
+    group, m = heads // kv_heads, cos.shape[1]
+    # Each query turned m ways: [B * m, heads, d] rows with their own cos, sin.
+    turned = apply_rotary(q.float()[:, None].expand(batch, m, heads, d).reshape(-1, heads, d),
+                          cos.reshape(-1, d), sin.reshape(-1, d))
     turned = turned.view(batch, m, kv_heads, group, d)
     pick = segment[:, None, None, :].expand(batch, 1, group, k_len)
     ks, vs = ks.float(), vs.float()
