@@ -6,7 +6,22 @@ import argparse
 import json
 import sys
 
-from .config import CHUNK_ATTENTIONS, DEFAULT_MAX_BODY_BYTES, POSITION_STRATEGIES, EngineConfig
+from .config import (
+    CHUNK_ATTENTIONS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SINK_TOKENS,
+    POSITION_STRATEGIES,
+    RECOMPUTE_METHODS,
+    EngineConfig,
+)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer numbers, got "
+                                         f"{text!r}") from None
 
 
 def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -45,6 +60,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         help="what a chunk attends to: the system prompt and itself "
                              "(isolated) or itself only, reusable under any system prompt "
                              "(standalone)")
+    parser.add_argument("--recompute", choices=list(RECOMPUTE_METHODS), default="none",
+                        help="selective recompute of chunk tokens (needs --position-strategy "
+                             "sequential): by K/V deviation (blend), each chunk's first "
+                             "tokens (sink), the question's attention (query), or sinks then "
+                             "a scorer")
+    parser.add_argument("--recompute-ratio", type=float, default=0.15,
+                        help="fraction of chunk tokens recomputed (0: none, 1: a full prefill)")
+    parser.add_argument("--recompute-sink-tokens", type=int, default=None,
+                        help="sink tokens per chunk (unset: the ratio of each chunk for sink "
+                             f"alone, {DEFAULT_SINK_TOKENS} in sink+blend and sink+query)")
+    parser.add_argument("--recompute-check-layers", type=_layer_list, default=(1,),
+                        help="comma-separated layers whose K/V deviation (blend) or question "
+                             "attention (query) scores chunk tokens")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--max-n", type=int, default=128,

@@ -32,6 +32,12 @@ DEFAULT_GPU_KV_FRACTION = 0.85
 # RAG layouts (DESIGN §1): where chunks sit, and what a chunk's tokens attend to.
 POSITION_STRATEGIES = ("shared", "sequential")
 CHUNK_ATTENTIONS = ("isolated", "standalone")
+# Selective recompute (DESIGN §1): which chunk tokens of a sequential layout are recomputed
+# with full attention. "sink+X" takes each chunk's first tokens, then X's best to the budget.
+RECOMPUTE_METHODS = ("none", "blend", "sink", "query", "sink+blend", "sink+query")
+# Sink tokens per chunk in a combination ("sink+blend", "sink+query") when none are given:
+# EPIC finds a handful at each chunk start enough to remove the false attention sinks.
+DEFAULT_SINK_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,14 @@ class EngineConfig:
     # an ordinary prompt. isolated: a chunk sees S and itself; standalone: itself only.
     position_strategy: str = "shared"
     chunk_attention: str = "isolated"
+    # Selective recompute of chunk tokens (sequential positions only; a request may choose
+    # its own): the method, the fraction r of chunk tokens recomputed, k sink tokens per
+    # chunk (None: ceil(r * len) for `sink` alone, DEFAULT_SINK_TOKENS in combinations), and
+    # the layers whose K/V deviation (`blend`) or question attention (`query`) scores tokens.
+    recompute: str = "none"
+    recompute_ratio: float = 0.15
+    recompute_sink_tokens: int | None = None
+    recompute_check_layers: tuple[int, ...] = (1,)
     # Check the scheduler's invariants after every step (also on with RAGKV_DEBUG_CHECKS=1).
     debug_checks: bool = False
     # Attention kernels: "auto" is "triton" on CUDA when Triton imports, else "torch".
@@ -97,6 +111,16 @@ class EngineConfig:
             raise ValueError(f"oversize_chunk must be 'error' or 'split', got "
                              f"{self.oversize_chunk!r}")
         check_layout(self.position_strategy, self.chunk_attention)
+        check_recompute(self.recompute, self.recompute_ratio, self.recompute_sink_tokens)
+        if self.recompute != "none" and self.position_strategy != "sequential":
+            raise ValueError(f"recompute={self.recompute!r} recomputes chunk tokens in the "
+                             "sequential layout: set position_strategy='sequential'")
+        layers = self.recompute_check_layers
+        if (not isinstance(layers, tuple) or not layers
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                           for x in layers)):
+            raise ValueError("recompute_check_layers must be a non-empty tuple of layer "
+                             f"indices >= 0, got {layers!r}")
         if self.chunk_hash_algo not in SUPPORTED_HASHES:
             raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, got "
                              f"{self.chunk_hash_algo!r}")
@@ -122,6 +146,23 @@ def check_layout(position_strategy: object, chunk_attention: object,
                                  ("chunk_attention", chunk_attention, CHUNK_ATTENTIONS)):
         if value not in choices and not (allow_default and value is None):
             raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_recompute(method: object, ratio: object, sink_tokens: object,
+                    allow_default: bool = False) -> None:
+    """A clear ValueError for a recompute setting that does not exist; with `allow_default`,
+    None (the engine's default, in a prompt) is accepted for each."""
+    if method not in RECOMPUTE_METHODS and not (allow_default and method is None):
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_METHODS)}, got "
+                         f"{method!r}")
+    if not (allow_default and ratio is None) and (
+            isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+            or not 0.0 <= ratio <= 1.0):
+        raise ValueError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")
+    if sink_tokens is not None and (isinstance(sink_tokens, bool)
+                                    or not isinstance(sink_tokens, int) or sink_tokens < 0):
+        raise ValueError(f"recompute_sink_tokens must be an integer >= 0 or None, got "
+                         f"{sink_tokens!r}")
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

@@ -34,6 +34,8 @@ class RequestMetrics:
     # Chunk tokens whose keys attention sees rotated to positions other than their cached
     # ones (sequential positions, standalone chunks).
     num_repositioned_tokens: int = 0
+    # Chunk tokens recomputed with full attention (selective recompute) instead of reused.
+    num_recomputed_tokens: int = 0
     num_preemptions: int = 0
 
     @property

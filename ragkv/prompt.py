@@ -7,17 +7,22 @@ Accepted inputs:
   *tokens* breaks when the tokenizer merges the separator with its neighbours;
 - a `RAGPrompt(system, chunks, question)` of strings or token-id lists (lists used as given);
 - a dict: `{"prompt_token_ids": [...]}` (used as given) or `{"prompt": "..."}`, either with an
-  optional `"cache_salt"`, `"position_strategy"` and `"chunk_attention"`.
+  optional `"cache_salt"` and RAG options (`RAG_OPTIONS`).
 Separators never reach the model. Empty chunks are dropped; no chunks is an ordinary prompt.
-A prompt's `position_strategy` / `chunk_attention` (None: the engine's default) choose its RAG
-layout (DESIGN §1; see `config.py`).
+A prompt's RAG options (None: the engine's default) choose its layout, `position_strategy` and
+`chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio` and
+`recompute_sink_tokens` (DESIGN §1; see `config.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .config import check_layout
+from .config import check_layout, check_recompute
+
+# Per-prompt settings of a RAG prompt, each None for the engine's default.
+RAG_OPTIONS = ("position_strategy", "chunk_attention", "recompute", "recompute_ratio",
+               "recompute_sink_tokens")
 
 # Where the documents go when a chat template is rendered; split out again afterwards.
 _DOC_SENTINEL = "\u2063ragkv-documents\u2063"
@@ -31,6 +36,9 @@ class RAGPrompt:
     cache_salt: str | None = None
     position_strategy: str | None = None  # "shared" | "sequential"; None: engine default
     chunk_attention: str | None = None  # "isolated" | "standalone"; None: engine default
+    recompute: str | None = None  # config.RECOMPUTE_METHODS; None: engine default
+    recompute_ratio: float | None = None
+    recompute_sink_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +53,9 @@ class ChunkedPrompt:
     cache_salt: str | None = None
     position_strategy: str | None = None
     chunk_attention: str | None = None
+    recompute: str | None = None
+    recompute_ratio: float | None = None
+    recompute_sink_tokens: int | None = None
 
     @property
     def is_rag(self) -> bool:
@@ -95,7 +106,7 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt
     layout: dict = {}
     if isinstance(prompt, dict):
         salt = prompt.get("cache_salt")
-        layout = {k: prompt[k] for k in ("position_strategy", "chunk_attention") if k in prompt}
+        layout = {k: prompt[k] for k in RAG_OPTIONS if k in prompt}
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             _check_ids("prompt_token_ids", ids)
@@ -168,8 +179,8 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None) -> ChunkedP
         system=tokens(p.system, "RAGPrompt.system", True),
         chunks=[c for c in chunks if c],
         question=tokens(p.question, "RAGPrompt.question", False),
-        text=None, cache_salt=p.cache_salt, position_strategy=p.position_strategy,
-        chunk_attention=p.chunk_attention,
+        text=None, cache_salt=p.cache_salt,
+        **{name: getattr(p, name) for name in RAG_OPTIONS},
     )
 
 
@@ -179,6 +190,7 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
             raise ValueError("cache_salt must be a string")
         check_text("cache_salt", p.cache_salt)
     check_layout(p.position_strategy, p.chunk_attention, allow_default=True)
+    check_recompute(p.recompute, p.recompute_ratio, p.recompute_sink_tokens, allow_default=True)
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:

@@ -67,6 +67,10 @@ class ChunkCacheStats:
     # that attention sees their keys rotated (sequential positions, standalone chunks).
     repositioned_chunks: int = 0
     repositioned_tokens: int = 0
+    # Chunk tokens recomputed with full attention by selective recompute (their cached KV is
+    # read but not used by those requests), and the requests that chose them.
+    recomputed_requests: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -93,6 +97,7 @@ class ChunkCache:
         self.lookups = self.hits = self.misses = self.hit_tokens = 0
         self.evictions = self.evicted_tokens = 0
         self.repositioned_chunks = self.repositioned_tokens = 0
+        self.recomputed_requests = self.recomputed_tokens = 0
         self._lookup_seconds = 0.0
 
     @property
@@ -126,6 +131,11 @@ class ChunkCache:
         """A looked-up chunk of `num_tokens` is used away from its cached positions."""
         self.repositioned_chunks += 1
         self.repositioned_tokens += num_tokens
+
+    def count_recomputed(self, num_tokens: int) -> None:
+        """A request chose `num_tokens` chunk tokens to recompute."""
+        self.recomputed_requests += 1
+        self.recomputed_tokens += num_tokens
 
     def find(self, key: bytes, system: tuple[int, ...],
              tokens: tuple[int, ...]) -> ChunkEntry | None:
@@ -218,6 +228,8 @@ class ChunkCache:
             avg_lookup_ms=1000 * self._lookup_seconds / self.lookups if self.lookups else 0.0,
             repositioned_chunks=self.repositioned_chunks,
             repositioned_tokens=self.repositioned_tokens,
+            recomputed_requests=self.recomputed_requests,
+            recomputed_tokens=self.recomputed_tokens,
         )
 
     def check_integrity(self, pins: dict[int, int] | None = None) -> None:

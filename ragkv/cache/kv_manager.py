@@ -28,6 +28,38 @@ class SeqKV:
     row: int = 0
     num_mirrored: int = 0
 
+    def borrowed_at(self, positions: list[int]) -> list[int]:
+        """The entries of `positions` (ascending) that lie in borrowed ranges."""
+        out, j = [], 0
+        for start, end in sorted(self.borrowed):
+            while j < len(positions) and positions[j] < start:
+                j += 1
+            while j < len(positions) and positions[j] < end:
+                out.append(positions[j])
+                j += 1
+        return out
+
+    def take_over(self, positions: list[int], slots: list[int]) -> None:
+        """Put own `slots` at borrowed `positions` (ascending): the borrowed ranges around
+        them shrink or split, and the table mirror is marked stale from the first one."""
+        if not positions:
+            return
+        taken = set(positions)
+        ranges = []
+        for start, end in self.borrowed:
+            a = start
+            for x in range(start, end):
+                if x in taken:
+                    if a < x:
+                        ranges.append((a, x))
+                    a = x + 1
+            if a < end:
+                ranges.append((a, end))
+        self.borrowed = ranges
+        for x, slot in zip(positions, slots, strict=True):
+            self.slots[x] = slot
+        self.num_mirrored = min(self.num_mirrored, positions[0])
+
     def own_slots(self) -> list[int]:
         if not self.borrowed:
             return self.slots[self.num_tree:]

@@ -18,6 +18,7 @@ from ..config import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_GPU_KV_FRACTION,
     EngineConfig,
+    check_recompute,
     parse_torch_dtype,
     resolve_device,
     resolve_dtype,
@@ -26,9 +27,11 @@ from ..detokenizer import IncrementalDetokenizer
 from ..model.attention import get_attention_backend
 from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
+from ..model.probe import probe_scores
 from ..model.runner import ModelRunner
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..prompt import (
+    RAG_OPTIONS,
     ChunkedPrompt,
     PromptRules,
     max_token_chars,
@@ -36,6 +39,7 @@ from ..prompt import (
     split_chat_prompt,
 )
 from ..sampling import SamplingParams, sample
+from .recompute import RecomputeSpec
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -108,7 +112,7 @@ class Engine:
         debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
         self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching,
-                                   debug_checks=debug)
+                                   debug_checks=debug, num_layers=mc.num_layers)
         # No text longer than this can tokenize to max_model_len tokens (x2: normalizers may
         # merge characters), so longer prompts are refused before the tokenizer runs.
         max_chars = 2 * self.max_model_len * max_token_chars(self.tokenizer)
@@ -117,6 +121,10 @@ class Engine:
                                         max_chars)
         self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{KV_STORAGE}"
         self._check_rope(config.position_strategy, config.chunk_attention)
+        bad = [x for x in config.recompute_check_layers if x >= mc.num_layers]
+        if bad:
+            raise ValueError(f"recompute_check_layers={config.recompute_check_layers} names "
+                             f"layer {bad[0]}; the model has layers 0 .. {mc.num_layers - 1}")
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, self.max_model_len, self.device)
         self.kv.slot_table = self.slot_table
@@ -153,27 +161,50 @@ class Engine:
         self._validate(len(parsed.token_ids), params)
         if parsed.chunks:
             self._check_rope(*self._layout_of(parsed))
+            self._recompute_of(parsed)
         return parsed
 
     def _layout_of(self, prompt: ChunkedPrompt) -> tuple[str, str]:
-        """(position_strategy, chunk_attention) of a prompt: its own, else the engine's."""
-        return (prompt.position_strategy or self.config.position_strategy,
-                prompt.chunk_attention or self.config.chunk_attention)
+        """(position_strategy, chunk_attention) of a prompt: its own, else the engine's; a
+        prompt that asks for selective recompute without a position strategy gets the
+        sequential one it needs."""
+        strategy = prompt.position_strategy
+        if strategy is None:
+            own = prompt.recompute not in (None, "none")
+            strategy = "sequential" if own else self.config.position_strategy
+        return strategy, prompt.chunk_attention or self.config.chunk_attention
+
+    def _recompute_of(self, prompt: ChunkedPrompt) -> RecomputeSpec | None:
+        """The prompt's selective recompute (its own settings, else the engine's), or None;
+        raises ValueError for one its layout cannot do."""
+        c = self.config
+        method = c.recompute if prompt.recompute is None else prompt.recompute
+        ratio = c.recompute_ratio if prompt.recompute_ratio is None else prompt.recompute_ratio
+        sink = (c.recompute_sink_tokens if prompt.recompute_sink_tokens is None
+                else prompt.recompute_sink_tokens)
+        check_recompute(method, ratio, sink)
+        if method == "none":
+            return None
+        strategy, _ = self._layout_of(prompt)
+        if strategy != "sequential":
+            raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
+                             f"layout, not with position_strategy={strategy!r}")
+        return RecomputeSpec(method, float(ratio), sink, c.recompute_check_layers)
 
     def process_chat(self, messages: list[dict], documents: list[str] | None = None,
                      cache_salt: str | None = None,
                      params: SamplingParams | None = None,
-                     position_strategy: str | None = None,
-                     chunk_attention: str | None = None) -> ChunkedPrompt:
+                     **rag_options: object) -> ChunkedPrompt:
         """A chat request as a prompt (`split_chat_prompt` with the model's template and the
-        engine's separator), validated like `process_prompt`; the layout arguments override
-        the engine's defaults for this request."""
+        engine's separator), validated like `process_prompt`; `rag_options` (prompt.RAG_OPTIONS:
+        layout and selective recompute, None for the engine's default) apply to this request."""
+        unknown = sorted(set(rag_options) - set(RAG_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown RAG option {unknown[0]!r}; known: {', '.join(RAG_OPTIONS)}")
         prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
                                       self.config.chunk_separator, cache_salt,
                                       self.prompt_rules.max_prompt_chars)
-        prompt = replace(prompt, position_strategy=position_strategy,
-                         chunk_attention=chunk_attention)
-        return self.process_prompt(prompt, params)
+        return self.process_prompt(replace(prompt, **rag_options), params)
 
     def _check_rope(self, position_strategy: str, chunk_attention: str) -> None:
         """Re-positioning rotates cached keys, which dynamic-NTK RoPE cannot do exactly."""
@@ -219,6 +250,7 @@ class Engine:
         system = tuple(parsed.system) if layout.sees_system else ()
         chunks = tuple(tuple(c) for c in parsed.chunks)
         repositioned = sum(b - a for a, b, _ in layout.rotations)
+        recompute = self._recompute_of(parsed) if parsed.chunks else None
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -239,12 +271,39 @@ class Engine:
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
-                num_scored_tokens=score_tokens,
+                num_scored_tokens=score_tokens, recompute=recompute,
             ))
         self._parents[request_id] = children
         for child in children:
             self.scheduler.add(child)
         return request_id
+
+    def _select(self, req: Request) -> None:
+        """Choose the chunk tokens `req` recomputes (its chunks' KV is ready): the probe's
+        scores when its method needs them, then `RecomputeSpec.select`."""
+        spec: RecomputeSpec = req.recompute
+        layout = req.layout
+        s, qs = layout.system_len, layout.question_start
+        scores = None
+        if spec.needs_probe(layout):
+            if spec.scorer == "blend":
+                probed = list(range(s, qs))
+                key_positions, positions = layout.chunk_positions(probed)
+            else:
+                # Scored prompt tokens are an answer being scored (ragkv eval): choosing by
+                # them would let the answer pick its own evidence.
+                end = req.num_prompt_tokens - max(0, req.num_scored_tokens - 1)
+                probed = list(range(qs, max(end, qs + 1)))
+                positions = key_positions = layout.positions(qs, probed[-1] + 1)
+            scores = probe_scores(self.model, self.pool, spec.scorer,
+                                  [req.token_ids[x] for x in probed], positions, key_positions,
+                                  req.kv.slots[:qs], layout.rotations, (s, qs),
+                                  spec.check_layers)
+        if req.selected is None:
+            req.selected = spec.select(layout, scores)
+            req.metrics.num_recomputed_tokens = len(req.selected)
+            if self.chunk_cache is not None:
+                self.chunk_cache.count_recomputed(len(req.selected))
 
     @staticmethod
     def _check_params(params: SamplingParams | None) -> SamplingParams:
@@ -292,7 +351,7 @@ class Engine:
         if sched.empty:
             return self._fail_parents(sched.failed, failed)
         try:
-            logits = self.runner.execute(sched.works)
+            logits = self.runner.execute(sched.works) if sched.works else None
         except Exception as e:  # the step cannot go on: fail its requests, keep the rest
             logger.exception("model step failed")
             message = f"model step failed: {type(e).__name__}: {e}"
@@ -300,6 +359,18 @@ class Engine:
             failed.update((r.parent_id, None) for r in in_step)
             return self._fail_parents(sched.failed + in_step, failed)
         self.scheduler.update(sched)
+        for req in sched.selecting:
+            if req.status.finished:
+                continue
+            try:
+                self._select(req)
+            except Exception as e:  # noqa: BLE001 (this request fails, not the step)
+                logger.exception("choosing recomputed tokens for %s failed", req.request_id)
+                self._fail(req, f"recompute selection failed: {type(e).__name__}: {e}")
+                sched.failed.append(req)
+                failed[req.parent_id] = None
+        if logits is None:
+            return self._fail_parents(sched.failed, failed)
         outputs = self._postprocess(sched, logits, include_unfinished)
         if sched.failed:
             # A failed parent's final output replaces a partial one from this step.

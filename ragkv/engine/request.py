@@ -96,6 +96,20 @@ class PromptLayout:
             return ((0, self.system_len), (start, end))
         return ((start, end),)
 
+    def chunk_positions(self, xs: list[int]) -> tuple[list[int], list[int]]:
+        """Base positions (where the cache computed their keys) and target positions (where
+        the request places them) of the chunk tokens `xs`, ascending flat indices."""
+        base_of = self.system_len if self.sees_system else 0
+        base, target = [], []
+        i = 0
+        for x in xs:
+            while self.chunk_bounds[i][1] <= x:
+                i += 1
+            b = base_of + x - self.chunk_bounds[i][0]
+            base.append(b)
+            target.append(b + self.chunk_deltas[i])
+        return base, target
+
     def positions(self, start: int, end: int) -> list[int]:
         """RoPE positions of flat tokens [start, end), which lie in one segment; chunk tokens
         at their base positions (where their KV is computed)."""
@@ -153,6 +167,12 @@ class Request:
     # (flat index -> [vocab] float32 on the CPU): teacher-forced scoring for `ragkv eval`.
     num_scored_tokens: int = 0
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Selective recompute (engine/recompute.py): the request's `RecomputeSpec` (None: off),
+    # the chunk tokens it recomputes (flat indices, ascending; None until chosen, kept over
+    # preemption: the choice depends only on the prompt) and how many of them have fresh KV.
+    recompute: object | None = None
+    selected: tuple[int, ...] | None = None
+    num_recomputed: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -167,6 +187,12 @@ class Request:
     def num_cached_tokens(self) -> int:
         """Prompt tokens whose KV was reused: prefix-cache hits plus chunk-cache hits."""
         return self.metrics.num_prefix_cached_tokens + self.metrics.num_chunk_cached_tokens
+
+    @property
+    def recomputing(self) -> bool:
+        """Whether selected chunk tokens still need their fresh KV (or R is not chosen yet)."""
+        return self.recompute is not None and (self.selected is None
+                                               or self.num_recomputed < len(self.selected))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -66,10 +66,21 @@ class SeqWork:
     # (start, end, delta) ranges of the KV list whose keys attention sees rotated by `delta`
     # positions (cached chunks re-positioned; PromptLayout.rotations).
     kv_rotations: tuple[tuple[int, int, int], ...] = ()
+    # Recomputed chunk tokens (engine/recompute.py): the KV-list entries the tokens are, which
+    # are not the last ones, and their keys' RoPE positions (the chunk's base positions, where
+    # the cached keys around them sit; `positions` are their places in the prompt).
+    query_index: tuple[int, ...] | None = None
+    key_positions: list[int] | None = None
 
     @property
     def num_kv(self) -> int:
         return sum(b - a for a, b in self.kv_spans)
+
+    def write_positions(self) -> range | tuple[int, ...]:
+        """Entries of `request.kv.slots` the work's new K/V go to."""
+        if self.query_index is not None:
+            return self.query_index
+        return range(self.end - len(self.token_ids), self.end)
 
 
 @dataclass(slots=True)
@@ -82,10 +93,14 @@ class SchedulerOutput:
     progress: dict[int, tuple[Request, int]] = field(default_factory=dict)
     # Requests that failed while being planned (already finished with FINISHED_ERROR).
     failed: list[Request] = field(default_factory=list)
+    # Requests whose recomputed tokens are chosen after this step's forward (their chunks'
+    # KV is ready by then), and the count of selected tokens each will have computed.
+    selecting: list[Request] = field(default_factory=list)
+    recomputed: dict[int, tuple[Request, int]] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not self.works
+        return not self.works and not self.selecting
 
     def requests(self) -> list[Request]:
         """The requests with work in this step, each once."""
@@ -100,6 +115,9 @@ class SchedulerOutput:
         if owned:
             self.completing = [e for e in self.completing if id(e) not in owned]
         self.progress.pop(id(req), None)
+        self.recomputed.pop(id(req), None)
+        if req in self.selecting:
+            self.selecting.remove(req)
 
 
 class _Stop(enum.Enum):
@@ -120,13 +138,14 @@ class _Blocked(Exception):
 class Scheduler:
     def __init__(self, kv: KVCacheManager, chunk_cache: ChunkCache | None, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool,
-                 debug_checks: bool = False) -> None:
+                 debug_checks: bool = False, num_layers: int = 1) -> None:
         self.kv = kv
         self.chunk_cache = chunk_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.debug_checks = debug_checks
+        self.num_layers = num_layers  # prices a recompute probe in tokens of budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -211,6 +230,18 @@ class Scheduler:
         stop = _Stop.DONE
         try:
             while x < req.num_tokens and used < budget:
+                if x == layout.question_start and req.recompute is not None:
+                    planned = out.recomputed.get(id(req), (req, req.num_recomputed))[1]
+                    if req.selected is None:
+                        # R is chosen after this step's forward, which completes the
+                        # chunks; the question waits for R's fresh KV.
+                        out.selecting.append(req)
+                        used += self._probe_cost(req)
+                        break
+                    if planned < len(req.selected):
+                        used += self._plan_recompute(req, planned, budget - used, out,
+                                                     may_preempt)
+                        continue
                 chunk = layout.chunk_at(x)
                 if chunk is None:
                     # System prompt or question/generated: own slots, allocated as computed.
@@ -240,6 +271,36 @@ class Scheduler:
         if x > req.num_computed_tokens:
             out.progress[id(req)] = (req, x)
         return used, stop
+
+    def _probe_cost(self, req: Request) -> int:
+        """Budget for choosing R: the probed tokens times the fraction of layers probed."""
+        spec, layout = req.recompute, req.layout
+        if not spec.needs_probe(layout):
+            return 1
+        probed = (layout.question_start - layout.system_len if spec.scorer == "blend"
+                  else req.num_prompt_tokens - layout.question_start)
+        return max(1, -(-probed * spec.probe_layers // self.num_layers))
+
+    def _plan_recompute(self, req: Request, planned: int, room: int, out: SchedulerOutput,
+                        may_preempt: bool) -> int:
+        """A work for the next selected chunk tokens (up to `room`): own slots replace the
+        borrowed cached ones in the request's KV list (the chunk entry is not touched);
+        tokens of an uncached chunk are rewritten in the slots they already own."""
+        tokens = list(req.selected[planned:planned + room])
+        borrowed = req.kv.borrowed_at(tokens)
+        req.kv.take_over(borrowed, self._alloc(req, len(borrowed), out, may_preempt))
+        layout = req.layout
+        base, target = layout.chunk_positions(tokens)
+        end = tokens[-1] + 1
+        out.works.append(SeqWork(
+            request=req, start=tokens[0], end=end, kv_spans=((0, end),),
+            token_ids=[req.token_ids[x] for x in tokens], positions=target, sample=False,
+            logits_from=end,
+            kv_rotations=tuple((a, min(b, end), d) for a, b, d in layout.rotations if a < end),
+            query_index=tuple(tokens), key_positions=base,
+        ))
+        out.recomputed[id(req)] = (req, planned + len(tokens))
+        return len(tokens)
 
     def _bind_chunk(self, req: Request, i: int, out: SchedulerOutput,
                     may_preempt: bool) -> ChunkBinding:
@@ -303,6 +364,8 @@ class Scheduler:
         """Advance computed counts after the model ran; cache fresh KV."""
         for entry in out.completing:
             self.chunk_cache.complete(entry)
+        for req, n in out.recomputed.values():
+            req.num_recomputed = n
         for req, x in out.progress.values():
             prefilled = x - req.num_computed_tokens > 1 or x <= req.layout.question_start
             req.num_computed_tokens = x
@@ -347,6 +410,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.num_recomputed = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -369,13 +433,22 @@ class Scheduler:
                 raise AssertionError(f"scheduler: malformed work {w.start}..{w.end} "
                                      f"{w.kv_spans} for request {req.request_id}")
             chunk = req.layout.chunk_at(w.start)
-            if chunk is not None and not (req.bindings[chunk] and req.bindings[chunk].computing):
+            if w.query_index is not None:
+                if req.kv.borrowed_at(list(w.query_index)):
+                    raise AssertionError("scheduler: a recompute work writes into chunk-cache "
+                                         "slots")
+            elif chunk is not None and not (req.bindings[chunk]
+                                            and req.bindings[chunk].computing):
                 raise AssertionError("scheduler: a work writes into a chunk it only reuses")
-            for slot in req.kv.slots[w.end - q:w.end]:
+            for slot in (req.kv.slots[p] for p in w.write_positions()):
                 if slot == 0 or slot in written:
                     raise AssertionError(f"scheduler: slot {slot} written twice in one step "
                                          "(or the padding slot)")
                 written.add(slot)
+        for req, n in out.recomputed.values():
+            if id(req) not in running or not req.num_recomputed < n <= len(req.selected):
+                raise AssertionError(f"scheduler: recompute progress for request "
+                                     f"{req.request_id} that does not advance")
         for req, x in out.progress.values():
             if id(req) not in running or not req.num_computed_tokens < x <= req.num_tokens:
                 raise AssertionError(f"scheduler: progress for request {req.request_id} that "

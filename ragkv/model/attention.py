@@ -59,10 +59,29 @@ class AttentionMetadata:
     rotations: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
     rotation_cos: torch.Tensor | None = None
     rotation_sin: torch.Tensor | None = None
+    # Sequences whose new tokens are not the last q entries of their KV list (selectively
+    # recomputed chunk tokens, scattered among cached ones): query t is entry query_index[i][t]
+    # of the list, writes its K/V there and attends to entries 0 .. query_index[i][t]. None
+    # for the others (bottom-right causal); empty: none this step.
+    query_index: list[torch.Tensor | None] = field(default_factory=list)
 
     def rotated(self, i: int) -> bool:
         """Whether sequence i sees some of its keys rotated."""
         return bool(self.rotations and self.rotations[i])
+
+    def indexed(self, i: int) -> bool:
+        """Whether sequence i's queries sit at given entries of its list (`query_index`)."""
+        return bool(self.query_index) and self.query_index[i] is not None
+
+    def mask(self, i: int, device: torch.device) -> torch.Tensor | None:
+        """[q, m] bool mask of sequence i over the last m entries of its KV list (the entries
+        before them are seen by every query), None when every query sees the whole list."""
+        q, k = self.q_lens[i], self.kv_lens[i]
+        if self.indexed(i):
+            index = self.query_index[i]
+            first = int(index[0])  # ascending: no query sees less than the first one does
+            return torch.arange(first, k, device=device)[None, :] <= index[:, None]
+        return causal_mask(q, q, device) if q > 1 else None
 
     @property
     def num_seqs(self) -> int:
@@ -95,6 +114,8 @@ class _TorchState:
     # Slot index tensors of the extend sequences that read the pool (not self_only).
     extend_index: dict[int, torch.Tensor] = field(default_factory=dict)
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    # Masks of sequences attended through `attend_rotated` (AttentionMetadata.mask).
+    seq_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 def causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
@@ -103,31 +124,33 @@ def causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
     return torch.arange(k, device=device)[None, :] <= rows
 
 
-def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-                      rotations: tuple[tuple[int, int, int], ...], cos: torch.Tensor,
-                      sin: torch.Tensor, scale: float, mask: torch.Tensor | None) -> torch.Tensor:
-    """One sequence's attention when ranges of its keys are re-positioned.
+def rotated_probs(q: torch.Tensor, ks: torch.Tensor,
+                  rotations: tuple[tuple[int, int, int], ...], cos: torch.Tensor | None,
+                  sin: torch.Tensor | None, scale: float,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention weights of one sequence whose key ranges may be re-positioned, in float32:
+    [kv_heads, group * q_len, k] (the query heads of each KV head, query-major).
 
-    q: [q_len, heads, d]; ks, vs: [k, kv_heads, d], its gathered KV list; `rotations`:
-    (start, end, row) ranges, ascending and disjoint, whose scores use the queries turned by
-    `cos[row]`, `sin[row]`; mask: [q_len, k] bool (True: attended) or None (all). The scores
-    of each range come from one matmul against the queries turned for it, so the cost over
-    plain attention is rotating q_len query rows per range, not the range's keys."""
+    q: [q_len, heads, d]; ks: [k, kv_heads, d], its gathered KV list; `rotations`: (start,
+    end, row) ranges, ascending and disjoint, whose scores use the queries turned by
+    `cos[row]`, `sin[row]`; mask: [q_len, m] bool over the last m entries (True: attended;
+    the entries before them are seen by every query) or None (all). The scores of each range
+    come from one matmul against the queries turned for it, so the cost over plain attention
+    is rotating q_len query rows per range, not the range's keys."""
     q_len, heads, d = q.shape
     k_len, kv_heads = ks.shape[0], ks.shape[1]
     group = heads // kv_heads
-    dtype = q.dtype
     # Scores and weights in float32 whatever the model dtype, as flash kernels keep them
     # (a no-op in float32).
-    q, ks, vs = q.float(), ks.float(), vs.float()
+    q, ks = q.float(), ks.float()
 
     def grouped(x: torch.Tensor) -> torch.Tensor:
         # [q_len, heads, d] -> [kv_heads, group * q_len, d]: the query heads of each KV head.
         return x.view(q_len, kv_heads, group, d).permute(1, 2, 0, 3).reshape(
             kv_heads, group * q_len, d)
 
-    # [kv_heads, d, k] and [kv_heads, k, d] views of the gathered [k, kv_heads, d] rows: both
-    # have a unit stride in one of their last two dimensions, so matmul reads them in place.
+    # A [kv_heads, d, k] view of the gathered [k, kv_heads, d] rows: a unit stride in one of
+    # its last two dimensions, so matmul reads it in place.
     keys = ks.permute(1, 2, 0)
     plain = grouped(q)
     parts = []
@@ -140,16 +163,27 @@ def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
         done = end
     if done < k_len:
         parts.append(plain @ keys[:, :, done:])
-    scores = torch.cat(parts, dim=-1)  # [kv_heads, group * q_len, k]
+    scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     scores.mul_(scale)
     if mask is not None:
-        # Only the last q_len entries (the queries' own) can be masked.
-        tail = scores.view(kv_heads, group, q_len, k_len)[..., k_len - q_len:]
-        tail.masked_fill_(~mask[:, k_len - q_len:], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = probs @ vs.transpose(0, 1)  # [kv_heads, group * q_len, d]
-    return out.view(kv_heads, group, q_len, d).permute(2, 0, 1, 3).reshape(
-        q_len, heads, d).to(dtype)
+        m = mask.shape[1]
+        tail = scores.view(kv_heads, group, q_len, k_len)[..., k_len - m:]
+        tail.masked_fill_(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def rotated_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                      rotations: tuple[tuple[int, int, int], ...], cos: torch.Tensor | None,
+                      sin: torch.Tensor | None, scale: float,
+                      mask: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's attention when ranges of its keys are re-positioned (or its mask is
+    not bottom-right causal): `rotated_probs` times the values, [q_len, heads, d]."""
+    q_len, heads, d = q.shape
+    kv_heads = ks.shape[1]
+    probs = rotated_probs(q, ks, rotations, cos, sin, scale, mask)
+    out = probs @ vs.float().transpose(0, 1)  # [kv_heads, group * q_len, d]
+    return out.view(kv_heads, heads // kv_heads, q_len, d).permute(2, 0, 1, 3).reshape(
+        q_len, heads, d).to(q.dtype)
 
 
 def build_decode_turns(meta: AttentionMetadata, decode: list[int], max_k: int,
@@ -207,9 +241,10 @@ def attend_rotated(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
     """Sequence i of the step through `rotated_attention`, written into its rows of `out`."""
     qs, ql = meta.q_starts[i], meta.q_lens[i]
+    rotations = meta.rotations[i] if meta.rotated(i) else ()
     out[qs:qs + ql] = rotated_attention(
         q[qs:qs + ql], k_cache.index_select(0, index), v_cache.index_select(0, index),
-        meta.rotations[i], meta.rotation_cos, meta.rotation_sin, scale, mask)
+        rotations, meta.rotation_cos, meta.rotation_sin, scale, mask)
 
 
 class TorchAttentionBackend:
@@ -240,7 +275,9 @@ class TorchAttentionBackend:
             q, k = meta.q_lens[i], meta.kv_lens[i]
             if not meta.self_only[i]:
                 state.extend_index[i] = meta.kv_indices[i]
-            if q != k and (q, k) not in state.masks:
+            if meta.rotated(i) or meta.indexed(i):
+                state.seq_masks[i] = meta.mask(i, device)
+            elif q != k and (q, k) not in state.masks:
                 state.masks[(q, k)] = causal_mask(q, k, device)
         meta.backend_state = state
 
@@ -254,9 +291,9 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for i in state.extend_seqs:
             qs, ql, kl = meta.q_starts[i], meta.q_lens[i], meta.kv_lens[i]
-            if meta.rotated(i):
+            if i in state.seq_masks:
                 attend_rotated(q, k_cache, v_cache, meta, i, state.extend_index[i],
-                               state.masks.get((ql, kl)), scale, out)
+                               state.seq_masks[i], scale, out)
                 continue
             if meta.self_only[i]:
                 ks, vs = k[qs:qs + ql], v[qs:qs + ql]

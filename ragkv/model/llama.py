@@ -40,7 +40,13 @@ class Attention(nn.Module):
         self.fused = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend,
+                key_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`key_rope`: cos, sin for the keys where they differ from the queries'."""
+        if key_rope is not None:
+            q, k, v = self.qkv(x, cos, sin, key_rope)
+            out = backend.forward(q, k, v, layer, pool, meta, self.scale)
+            return self.o_proj.forward(out.reshape(-1, self.q_size))
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.fused:
             k_cache, v_cache = pool.k[layer], pool.v[layer]
@@ -59,6 +65,18 @@ class Attention(nn.Module):
             k = apply_rotary(self.k_norm.forward(qkv[:, heads:heads + kv_heads]), cos, sin)
         out = backend.forward(q, k, v, layer, pool, meta, self.scale)
         return self.o_proj.forward(out.reshape(-1, self.q_size))
+
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            key_rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """q, k, v [T, heads or kv_heads, d] with q and k rotated by their own positions."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj.forward(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
+        q, k = qkv[:, :heads], qkv[:, heads:heads + kv_heads]
+        if self.q_norm is not None:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        return (apply_rotary(q, cos, sin), apply_rotary(k, *key_rope),
+                qkv[:, heads + kv_heads:])
 
 
 class DecoderLayer(nn.Module):
@@ -94,8 +112,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                backend: AttentionBackend,
+                key_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`key_positions`: RoPE positions of the keys where they differ from `positions`
+        (selectively recomputed chunk tokens); never with dynamic RoPE."""
         cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
+        key_rope = None if key_positions is None else self.rotary.cos_sin(key_positions)
         residual = self.embed_tokens[input_ids]
         # Sub-modules are called through .forward: no hooks are used, and skipping
         # nn.Module.__call__ matters when a decode step is a few hundred tiny ops.
@@ -107,7 +129,7 @@ class CausalLM(nn.Module):
                 attn_in = layer.input_layernorm.forward(residual)
             else:
                 attn_in, residual = layer.input_layernorm.forward_add(h, residual)
-            h = layer.self_attn.forward(attn_in, cos, sin, i, pool, meta, backend)
+            h = layer.self_attn.forward(attn_in, cos, sin, i, pool, meta, backend, key_rope)
             mlp_in, residual = layer.post_attention_layernorm.forward_add(h, residual)
             h = layer.mlp.forward(mlp_in)
         h = self.norm.forward(residual[logits_indices] + h[logits_indices])

@@ -26,6 +26,11 @@ class Work(Protocol):
     end: int  # flat index after the work's last token
     logits_from: int  # flat index of the first token whose logits are returned (end: none)
     kv_rotations: tuple[tuple[int, int, int], ...]  # (start, end, delta) of the KV list
+    # Entries of the KV list the new tokens are (ascending; None: its last len(token_ids)),
+    # and the RoPE positions of their keys where these differ from `positions` (recomputed
+    # chunk tokens keep their keys at the chunk's base positions, like the cached ones).
+    query_index: tuple[int, ...] | None
+    key_positions: list[int] | None
 
     @property
     def request(self): ...
@@ -60,6 +65,9 @@ class ModelRunner:
         logits_rows: list[int] = []
         rotations: list[tuple[tuple[int, int, int], ...]] = []
         deltas: dict[int, int] = {}  # delta -> its row in the step's rotation tables
+        query_index: list[torch.Tensor | None] = []
+        key_positions: list[int] | None = None
+        write_parts: list[torch.Tensor] = []
         for w in works:
             row = w.request.kv.row
             spans = w.kv_spans
@@ -68,6 +76,20 @@ class ModelRunner:
             else:
                 index = torch.cat([table[row, a:b] for a, b in spans])
             q, k = len(w.token_ids), index.numel()
+            at = w.query_index
+            if at is not None and at[0] == k - q and at[-1] == k - 1:
+                at = None  # the last q entries: the ordinary bottom-right causal case
+            if at is None:
+                query_index.append(None)
+                write_parts.append(index[k - q:])
+            else:
+                at_dev = torch.tensor(at, device=self.device)
+                query_index.append(at_dev)
+                write_parts.append(index[at_dev])
+            if w.key_positions is not None and key_positions is None:
+                key_positions = list(positions)
+            if key_positions is not None:
+                key_positions.extend(w.key_positions or w.positions)
             q_starts.append(len(input_ids))
             input_ids.extend(w.token_ids)
             positions.extend(w.positions)
@@ -82,14 +104,15 @@ class ModelRunner:
             rotations.append(tuple((a, b, deltas.setdefault(d, len(deltas)))
                                    for a, b, d in w.kv_rotations))
         dev = self.device
-        write_slots = torch.cat([idx[k - q:] for idx, q, k in zip(kv_indices, q_lens, kv_lens,
-                                                                   strict=True)]).long()
+        write_slots = torch.cat(write_parts).long()
         meta = AttentionMetadata(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
             write_slots=write_slots, self_only=self_only, seq_lens=seq_lens, table=table,
             rows=rows, prefix=prefix, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
         )
+        if any(x is not None for x in query_index):
+            meta.query_index = query_index
         if deltas:
             # Attention turns each query back by a rotated range's delta instead of turning
             # that range's keys forward: the same scores, for a handful of query rows.
@@ -100,10 +123,13 @@ class ModelRunner:
         # One transfer for ids, positions and logits rows; array('q') converts a long list of
         # ints several times faster than torch.tensor does.
         n = len(input_ids)
-        host = torch.frombuffer(array("q", input_ids + positions + logits_rows), dtype=torch.long)
+        extra = key_positions or []
+        host = torch.frombuffer(array("q", input_ids + positions + extra + logits_rows),
+                                dtype=torch.long)
         dev_ids = host.to(dev)
-        return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n:], self.pool, meta,
-                          self.backend)
+        keys = dev_ids[2 * n:3 * n] if extra else None
+        return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
+                          self.pool, meta, self.backend, key_positions=keys)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:

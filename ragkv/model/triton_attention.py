@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.kv_pool import KVPool
-from .attention import AttentionMetadata, attend_rotated, causal_mask
+from .attention import AttentionMetadata, attend_rotated
 
 try:
     import triton
@@ -398,10 +398,8 @@ class TritonAttentionBackend:
         device = meta.write_slots.device
         decode, extend, rotated = [], [], []
         for i in range(meta.num_seqs):
-            if meta.rotated(i):
-                q, k = meta.q_lens[i], meta.kv_lens[i]
-                mask = causal_mask(q, k, device) if q > 1 else None
-                rotated.append((i, meta.kv_indices[i].long(), mask))
+            if meta.rotated(i) or meta.indexed(i):
+                rotated.append((i, meta.kv_indices[i].long(), meta.mask(i, device)))
             elif meta.q_lens[i] == 1 and meta.prefix[i]:
                 decode.append(i)
             else:

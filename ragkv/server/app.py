@@ -458,9 +458,12 @@ class _Formatter:
         prompt = sum(len(o.prompt_token_ids) for o in outputs)
         completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outputs)
+        # Chunk tokens recomputed by selective recompute (ragkv's extension of usage).
+        recomputed = sum(o.metrics.num_recomputed_tokens for o in outputs if o.metrics)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "num_recomputed_tokens": recomputed}
 
     def _logprobs(self, token_ids: list[int], logprobs,
                   offset: int) -> tuple[dict | None, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -95,13 +96,13 @@ class AsyncEngine:
 
     async def prepare_chat(self, messages: list[dict], documents: list[str] | None,
                            cache_salt: str | None, params: SamplingParams,
-                           position_strategy: str | None = None,
-                           chunk_attention: str | None = None) -> ChunkedPrompt:
-        """Render, split, tokenize and validate a chat request like `prepare`."""
+                           **rag_options: object) -> ChunkedPrompt:
+        """Render, split, tokenize and validate a chat request like `prepare`; `rag_options`
+        as in `Engine.process_chat`."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, self.engine.process_chat,
-                                          messages, documents, cache_salt, params,
-                                          position_strategy, chunk_attention)
+        call = functools.partial(self.engine.process_chat, messages, documents, cache_salt,
+                                 params, **rag_options)
+        return await loop.run_in_executor(self._tokenizer_pool, call)
 
     async def submit(self, prompt: object, params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:

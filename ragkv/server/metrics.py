@@ -38,6 +38,10 @@ class Metrics:
             "ragkv:chunk_repositioned_tokens",
             "Chunk tokens used at positions other than their cached ones, their keys rotated "
             "at attention time (sequential positions, standalone chunks).")
+        self.chunk_recomputed_tokens = counter(
+            "ragkv:chunk_recomputed_tokens",
+            "Chunk tokens recomputed with full attention by selective recompute instead of "
+            "reused from the chunk cache.")
         self.prefix_cache_queries = counter("ragkv:prefix_cache_queries",
                                             "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("ragkv:prefix_cache_hits",
@@ -71,6 +75,8 @@ class Metrics:
         self._advance(self.chunk_cache_evictions, "chunk_evictions", chunks.evictions)
         self._advance(self.chunk_repositioned_tokens, "chunk_repositioned",
                       chunks.repositioned_tokens)
+        self._advance(self.chunk_recomputed_tokens, "chunk_recomputed",
+                      chunks.recomputed_tokens)
         self._advance(self.prefix_cache_queries, "prefix_queries", stats.prefix_queried_tokens)
         self._advance(self.prefix_cache_hits, "prefix_hits", stats.prefix_hit_tokens)
         self.chunk_cache_usage.set(chunks.usage)

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..prompt import RAG_OPTIONS
 from ..sampling import SamplingParams
 
 
@@ -66,12 +67,15 @@ class _SamplingFields(BaseModel):
     # ragkv's RAG layout of this request (None: the server's default; see config.py).
     position_strategy: Literal["shared", "sequential"] | None = None
     chunk_attention: Literal["isolated", "standalone"] | None = None
+    # Selective recompute of this request (None: the server's default; see config.py).
+    recompute: Literal["none", "blend", "sink", "query", "sink+blend", "sink+query"] | None = None
+    recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    recompute_sink_tokens: int | None = Field(default=None, ge=0)
     user: str | None = None
 
     def layout(self) -> dict:
-        """The prompt keys of the layout fields that were given."""
-        return {k: v for k, v in (("position_strategy", self.position_strategy),
-                                  ("chunk_attention", self.chunk_attention)) if v is not None}
+        """The prompt keys of the RAG options (prompt.RAG_OPTIONS) that were given."""
+        return {k: getattr(self, k) for k in RAG_OPTIONS if getattr(self, k) is not None}
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(

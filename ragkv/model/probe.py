@@ -1,0 +1,113 @@
+"""The selective-recompute probe (engine/recompute.py): a few layers of the model over a
+request's cached KV, read-only, to score its chunk tokens.
+
+The probed tokens run through layers 0 .. max(check layers) as queries at their places in the
+prompt, attending (bottom-right causal) to the request's KV list: S and the chunks as cached,
+re-positioned like any reuse, plus — for question tokens — their own fresh K/V, which are kept
+in the probe and never written to the pool. Scores, one per chunk token:
+- `blend`: the chunk tokens probe themselves; at a check layer, how far their fresh K and V
+  (keys at the chunk's base positions, like the cached ones) lie from the cached K and V. At
+  layer 0 both are the same function of the token, so the deviation starts at layer 1, after
+  one layer of attention across chunks;
+- `query`: the question tokens probe; at a check layer, the attention weight all their heads
+  give each chunk token.
+Each check layer's scores are divided by their total, so layers weigh alike when several are
+checked. Queries go in row blocks so the [heads, rows, keys] weights stay bounded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from .attention import rotated_probs
+from .llama import CausalLM
+
+# Bound on the attention weights one block of probe queries materializes (float32 elements).
+_BLOCK_ELEMENTS = 1 << 25
+
+
+@torch.inference_mode()
+def probe_scores(model: CausalLM, pool: KVPool, kind: str, token_ids: list[int],
+                 positions: list[int], key_positions: list[int], kv_slots: list[int],
+                 rotations: tuple[tuple[int, int, int], ...], chunks: tuple[int, int],
+                 check_layers: tuple[int, ...]) -> torch.Tensor:
+    """Scores [chunk tokens] (float32, CPU) of one request.
+
+    kind: "blend" (token_ids are the chunk tokens) or "query" (the question tokens);
+    kv_slots: the request's KV list up to the question (S and the chunks, flat order);
+    rotations: (start, end, delta) of its re-positioned ranges; chunks: [start, end) of the
+    chunk tokens in that list."""
+    device = pool.k.device
+    n = len(token_ids)
+    ids = torch.tensor(token_ids, device=device)
+    cos, sin = model.rotary.cos_sin(torch.tensor(positions, device=device))
+    key_rope = model.rotary.cos_sin(torch.tensor(key_positions, device=device))
+    index = torch.tensor(kv_slots, dtype=torch.long, device=device)
+    deltas = sorted({d for _, _, d in rotations})
+    rows = tuple((a, b, deltas.index(d)) for a, b, d in rotations)
+    turn_cos = turn_sin = None
+    if deltas:
+        turn_cos, turn_sin = model.rotary.rotation([-d for d in deltas])
+    first, last = chunks
+    scores = torch.zeros(last - first, dtype=torch.float64, device=device)
+    final = max(check_layers)
+    residual, h = model.embed_tokens[ids], None
+    for i in range(final + 1):
+        layer = model.layers[i]
+        if h is None:
+            x = layer.input_layernorm.forward(residual)
+        else:
+            x, residual = layer.input_layernorm.forward_add(h, residual)
+        attn = layer.self_attn
+        q, k, v = attn.qkv(x, cos, sin, key_rope)
+        keys, values = pool.k[i].index_select(0, index), pool.v[i].index_select(0, index)
+        if kind == "blend":
+            if i in check_layers:
+                fresh = torch.cat([k, v], dim=1).float()
+                cached = torch.cat([keys[first:last], values[first:last]], dim=1).float()
+                dev = (fresh - cached).square().sum(dim=(1, 2)).sqrt().double()
+                scores += dev / dev.sum().clamp_min(1e-30)
+            if i == final:
+                break  # the deviation needs this layer's K/V only
+        else:
+            keys, values = torch.cat([keys, k]), torch.cat([values, v])
+        out, weight = _attend(q, keys, values, rows, turn_cos, turn_sin, attn.scale,
+                              (first, last) if kind == "query" and i in check_layers else None)
+        if weight is not None:
+            scores += weight / weight.sum().clamp_min(1e-30)
+        if i == final:
+            break
+        h = attn.o_proj.forward(out.reshape(n, -1))
+        x, residual = layer.post_attention_layernorm.forward_add(h, residual)
+        h = layer.mlp.forward(x)
+    return scores.float().cpu()
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            rows: tuple[tuple[int, int, int], ...], cos: torch.Tensor | None,
+            sin: torch.Tensor | None, scale: float, weigh: tuple[int, int] | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bottom-right causal attention of q over keys in row blocks; with `weigh` = [a, b) also
+    the attention weight of all queries and heads on each of entries a .. b-1 (float64)."""
+    n, heads, d = q.shape
+    k_len, kv_heads = keys.shape[0], keys.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    weight = None if weigh is None else torch.zeros(weigh[1] - weigh[0], dtype=torch.float64,
+                                                    device=q.device)
+    block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
+    vs = values.float().transpose(0, 1)
+    for t0 in range(0, n, block):
+        t1 = min(n, t0 + block)
+        # Query t sees entries 0 .. k_len - n + t; the mask covers the entries after the
+        # first query's last.
+        seen = torch.arange(t0, t1, device=q.device)[:, None] + (k_len - n)
+        mask = torch.arange(k_len - n + t0, k_len, device=q.device)[None, :] <= seen
+        probs = rotated_probs(q[t0:t1], keys, rows, cos, sin, scale, mask)
+        if weight is not None:
+            weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
+        o = probs @ vs  # [kv_heads, group * rows, d]
+        out[t0:t1] = o.view(kv_heads, group, t1 - t0, d).permute(2, 0, 1, 3).reshape(
+            t1 - t0, heads, d).to(q.dtype)
+    return out, weight

@@ -1,0 +1,308 @@
+"""Selective recompute (DESIGN §1, engine/recompute.py): reuse chunk KV in the sequential
+layout and recompute a chosen set of chunk tokens with full attention.
+
+The two ends of the curve are exact and checked against HF transformers in float32 (greedy
+tokens identical, first-token logprobs within 1e-4), for every family and RoPE type, cold and
+warm, with the pool NaN-filled: r = 1 equals the ordinary full prefill of the flat prompt,
+r = 0 the sequential-isolated reference. In between, the chosen set is checked (its size, its
+determinism, sinks where they belong), the cached entries' bytes are compared before and after
+requests that recompute their tokens, and `check_integrity()` runs after every scenario.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MAIN_FAMILIES, random_prompt
+from test_rag import GREEDY, TOL, make_llm, plain, rag, reference, run
+
+from ragkv.engine.recompute import RecomputeSpec
+from ragkv.engine.request import PromptLayout
+from ragkv.prompt import RAGPrompt
+
+METHODS = ["blend", "sink", "query", "sink+blend", "sink+query"]
+SEQ_ISO = ("sequential", "isolated")
+
+
+def rc(system, chunks, question, method, ratio, sink=None, salt=None) -> RAGPrompt:
+    return RAGPrompt(system, chunks, question, cache_salt=salt, position_strategy="sequential",
+                     recompute=method, recompute_ratio=ratio, recompute_sink_tokens=sink)
+
+
+def flat(prompt: RAGPrompt) -> list[int]:
+    return list(prompt.system) + [t for c in prompt.chunks for t in c] + list(prompt.question)
+
+
+def check(hf, prompt: RAGPrompt, out, exact: str) -> None:
+    """`out` against the full prefill of the flat prompt ("full") or the sequential-isolated
+    reference ("sequential")."""
+    if exact == "full":
+        want, first = reference(hf, plain(flat(prompt)))
+    else:
+        want, first = reference(hf, RAGPrompt(prompt.system, prompt.chunks, prompt.question),
+                                SEQ_ISO)
+    got = out.outputs[0]
+    assert got.token_ids == want
+    for tid, lp in got.logprobs[0].items():
+        assert abs(lp.logprob - first[tid].item()) < TOL, (tid, lp.logprob)
+
+
+def entry_bytes(llm) -> dict[bytes, torch.Tensor]:
+    """Every cached chunk entry's K/V, all layers, copied."""
+    cache = llm.engine.chunk_cache
+    pool = llm.engine.pool.kv
+    return {key: pool[:, :, torch.tensor(e.slots)].clone()
+            for key, e in cache._entries.items() if e.complete}
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint, hf_model):
+    path = checkpoint("llama")
+    return path, hf_model(path)
+
+
+def scenario(llm, hf, method: str) -> None:
+    S = random_prompt(9, seed=1)
+    A, B, C = (random_prompt(n, seed=30 + n) for n in (14, 21, 8))
+    Q = random_prompt(6, seed=2)
+    cold = rc(S, [A, B, C], Q, method, 1.0)
+    # r = 1, cold then warm and reordered: the full prefill of each flat prompt.
+    for prompt in (cold, rc(S, [C, A, B], Q, method, 1.0)):
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        llm.check_integrity()
+        check(hf, prompt, out, "full")
+        assert out.metrics.num_recomputed_tokens == len(A) + len(B) + len(C)
+    # r = 0 (warm): nothing recomputed, the sequential layout exactly.
+    prompt = rc(S, [B, C, A], Q, method, 0.0)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    llm.check_integrity()
+    check(hf, prompt, out, "sequential")
+    assert out.metrics.num_recomputed_tokens == 0
+
+
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
+def test_ends_of_the_curve_match_reference(family, checkpoint, hf_model):
+    """Every family and static RoPE type: r = 1 is the full prefill, r = 0 the sequential
+    layout, cold and warm, for one method per family (all methods on llama below)."""
+    path = checkpoint(family)
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    scenario(llm, hf_model(path), METHODS[MAIN_FAMILIES.index(family) % len(METHODS)])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_at_the_ends(method, llama):
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    scenario(llm, hf, method)
+
+
+def test_standalone_chunks_at_the_ends(llama):
+    """Standalone chunks (cached without S) recompute too: r = 1 is still the full prefill,
+    r = 0 the sequential-standalone layout."""
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    S, A, B = random_prompt(7, seed=40), random_prompt(12, seed=41), random_prompt(9, seed=42)
+    Q = random_prompt(5, seed=43)
+    for ratio in (1.0, 1.0, 0.0):  # cold, warm, warm
+        prompt = RAGPrompt(S, [A, B], Q, position_strategy="sequential",
+                           chunk_attention="standalone", recompute="blend",
+                           recompute_ratio=ratio)
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        llm.check_integrity()
+        if ratio == 1.0:
+            check(hf, prompt, out, "full")
+        else:
+            want, _ = reference(hf, rag(S, [A, B], Q), ("sequential", "standalone"))
+            assert out.outputs[0].token_ids == want
+
+
+def test_shared_chunk_recomputed_by_one_request_reused_plainly_by_another(llama):
+    """In one step, one request recomputes every token of chunks that other requests reuse
+    as they are (sequential and shared layouts, and a partial recompute): each gets its own
+    correct result, and the cached entries' bytes do not change."""
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=4096, chunk_cache_tokens=1024)
+    S = random_prompt(9, seed=50)
+    A, B = random_prompt(16, seed=51), random_prompt(11, seed=52)
+    Q1, Q2 = random_prompt(5, seed=53), random_prompt(4, seed=54)
+    partial = rc(S, [A, B], Q2, "blend", 0.4)
+    alone = llm.generate([partial], GREEDY, use_tqdm=False)[0]  # also warms A and B
+    llm.check_integrity()
+    before = entry_bytes(llm)
+    full = rc(S, [B, A], Q1, "query", 1.0)
+    seq = rag(S, [A, B], Q1, layout=SEQ_ISO)
+    shared = rag(S, [B, A], Q2)
+    outs = llm.generate([full, seq, partial, shared], GREEDY, use_tqdm=False)
+    llm.check_integrity()
+    check(hf, full, outs[0], "full")
+    run(llm, hf, [seq, shared], ["HH", "HH"])
+    assert outs[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert outs[2].metrics.num_recomputed_tokens == alone.metrics.num_recomputed_tokens == 11
+    after = entry_bytes(llm)
+    assert before.keys() == after.keys() and len(before) == 2
+    for key in before:
+        assert torch.equal(before[key].nan_to_num(7.0), after[key].nan_to_num(7.0))
+
+
+def test_selection_is_deterministic(llama, monkeypatch):
+    """The same prompt chooses the same tokens cold, warm, alone and in a batch, and the
+    chosen set has the budgeted size."""
+    path, _ = llama
+    llm = make_llm(path, kv_cache_tokens=4096, chunk_cache_tokens=1024)
+    chosen: list[tuple[str, tuple[int, ...]]] = []
+    select = type(llm.engine)._select
+
+    def record(engine, req):
+        select(engine, req)
+        chosen.append((req.recompute.method, req.selected))
+
+    monkeypatch.setattr(type(llm.engine), "_select", record)
+    S = random_prompt(8, seed=60)
+    A, B = random_prompt(20, seed=61), random_prompt(13, seed=62)
+    Q = random_prompt(6, seed=63)
+    for method in ("blend", "query", "sink+query"):
+        chosen.clear()
+        prompt = rc(S, [A, B], Q, method, 0.3)
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+        llm.generate([prompt, rc(S, [B, A], Q, method, 0.3), prompt], GREEDY, use_tqdm=False)
+        llm.check_integrity()
+        mine = [sel for m, sel in chosen if m == method]
+        assert len(mine) == 4
+        assert mine[0] == mine[1] == mine[3] and len(mine[0]) == 10  # ceil(0.3 * 33)
+        assert all(len(S) <= x < len(S) + 33 for x in mine[0])
+        if method == "sink+query":  # the first 4 tokens of each chunk, then the scorer's
+            assert set(range(8, 12)) | set(range(28, 32)) <= set(mine[0])
+
+
+@pytest.mark.parametrize("budget", [24, 64])
+def test_recompute_over_several_steps_and_preemption(budget, llama):
+    """Chunked prefill splits the recomputed tokens over steps (a budget below the 55 chunk
+    tokens an r = 1 request recomputes); a small pool preempts requests mid-recompute.
+    r = 1 stays the full prefill; a partial recompute gives what it gives in one step."""
+    path, hf = llama
+    S = random_prompt(6, seed=70)
+    chunks = [random_prompt(n, seed=71 + n) for n in (18, 12, 25)]
+    Qs = [random_prompt(4, seed=80 + i) for i in range(4)]
+    big = make_llm(path, kv_cache_tokens=4096, chunk_cache_tokens=1024)
+    partial = [rc(S, chunks[i:] + chunks[:i], Qs[i], "sink+blend", 0.25) for i in range(3)]
+    want = big.generate(partial, GREEDY, use_tqdm=False)
+    # The general region (100 slots) holds one r = 1 request's own slots (S, every chunk
+    # token, Q, output: 71) but not two: requests are preempted mid-recompute.
+    small = make_llm(path, kv_cache_tokens=180, chunk_cache_tokens=80, max_model_len=80,
+                     max_num_batched_tokens=budget)
+    exact = [rc(S, chunks[i:] + chunks[:i], Qs[3], "blend", 1.0) for i in range(3)]
+    outs = small.generate(exact + partial, GREEDY, use_tqdm=False)
+    small.check_integrity()
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    for got, ref in zip(outs[3:], want, strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    for prompt, out in zip(exact, outs, strict=False):
+        check(hf, prompt, out, "full")
+
+
+def test_uncached_chunks_recompute_in_their_own_slots(llama):
+    """Without a chunk cache (or a chunk too big for its region) a chunk's KV lives in the
+    request's own slots; recomputed tokens overwrite it there."""
+    path, hf = llama
+    S, A, B = random_prompt(5, seed=90), random_prompt(30, seed=91), random_prompt(9, seed=92)
+    Q = random_prompt(4, seed=93)
+    for kwargs in ({"enable_chunk_cache": False}, {"chunk_cache_tokens": 16}):
+        llm = make_llm(path, kv_cache_tokens=1024, **kwargs)
+        prompt = rc(S, [A, B], Q, "query", 1.0)
+        check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0], "full")
+        llm.check_integrity()
+
+
+def test_recompute_on_the_triton_backend(llama):
+    pytest.importorskip("triton")
+    path, hf = llama
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
+                   dtype="float32", attention_backend="triton")
+    S, A, B = random_prompt(9, seed=94), random_prompt(14, seed=95), random_prompt(8, seed=96)
+    for chunks in ([A, B], [B, A]):
+        prompt = rc(S, chunks, random_prompt(5, seed=97), "sink+query", 1.0)
+        check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0], "full")
+        llm.check_integrity()
+
+
+def test_recompute_as_engine_default_and_in_stats(llama):
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,
+                   position_strategy="sequential", recompute="blend", recompute_ratio=1.0)
+    S, A = random_prompt(6, seed=100), random_prompt(15, seed=101)
+    prompt = RAGPrompt(S, [A], random_prompt(4, seed=102))
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    check(hf, prompt, out, "full")
+    # A request may turn it off, or ask for another method.
+    off = RAGPrompt(S, [A], random_prompt(4, seed=103), recompute="none")
+    assert llm.generate([off], GREEDY, use_tqdm=False)[0].metrics.num_recomputed_tokens == 0
+    stats = llm.get_chunk_cache_stats()
+    assert stats.recomputed_tokens == 15 and stats.recomputed_requests == 1
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"recompute": "blend"}, "position_strategy='sequential'"),
+    ({"recompute": "magic", "position_strategy": "sequential"}, "recompute must be one of"),
+    ({"recompute_ratio": 1.5}, "recompute_ratio"),
+    ({"recompute_sink_tokens": -1}, "recompute_sink_tokens"),
+    ({"recompute_check_layers": ()}, "recompute_check_layers"),
+])
+def test_bad_engine_settings_are_clear_errors(kwargs, fragment, llama):
+    from ragkv.config import EngineConfig
+
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+        EngineConfig(model=llama[0], **kwargs)
+
+
+def test_bad_request_settings_are_clear_errors_and_lose_nothing(llama):
+    path, _ = llama
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_cache_tokens=256)
+    S, A, Q = random_prompt(4, seed=110), random_prompt(6, seed=111), random_prompt(3, seed=112)
+    for kwargs, fragment in (
+            ({"recompute": "blend", "position_strategy": "shared"}, "sequential layout"),
+            ({"recompute": "nope"}, "recompute must be one of"),
+            ({"recompute": "sink", "recompute_ratio": -0.1}, "recompute_ratio"),
+            ({"recompute": "sink", "recompute_sink_tokens": 2.5}, "recompute_sink_tokens")):
+        with pytest.raises(ValueError, match=fragment):
+            llm.generate([RAGPrompt(S, [A], Q, **kwargs)], GREEDY, use_tqdm=False)
+        llm.check_integrity()
+    with pytest.raises(ValueError, match="layer 9"):
+        make_llm(path, kv_cache_tokens=512, position_strategy="sequential",
+                 recompute="blend", recompute_check_layers=(0, 9))
+    # Without position_strategy, a request asking for recompute gets the sequential layout.
+    out = llm.generate([RAGPrompt(S, [A], Q, recompute="sink", recompute_ratio=0.5)], GREEDY,
+                       use_tqdm=False)[0]
+    assert out.metrics.num_recomputed_tokens == 3
+    llm.check_integrity()
+
+
+# ------------------------------------------------------------------------ the selection
+
+
+def test_sink_and_budget_rules():
+    layout = PromptLayout.build(3, [10, 4, 7], "sequential")  # chunks at 3, 13, 17
+    spec = RecomputeSpec("sink", 0.2, None, (1,))
+    assert spec.budget(21) == 5 and RecomputeSpec("sink", 0.15, None, (1,)).budget(100) == 15
+    assert spec.sink(layout) == [3, 4, 13, 17, 18]  # ceil(0.2 * len) of each chunk
+    assert RecomputeSpec("sink", 0.0, 3, (1,)).sink(layout) == [3, 4, 5, 13, 14, 15, 17, 18, 19]
+    assert not spec.needs_probe(layout) and spec.select(layout, None) == (3, 4, 13, 17, 18)
+    combo = RecomputeSpec("sink+query", 0.2, 2, (1,))  # budget 5: 3 first tokens, 2 seconds
+    assert combo.sink(layout) == [3, 4, 13, 14, 17]
+    assert not combo.needs_probe(layout)
+    combo = RecomputeSpec("sink+query", 0.5, None, (1,))  # budget 11: 4 + 4 + 3 sinks
+    assert len(combo.sink(layout)) == 11 and not combo.needs_probe(layout)
+    assert RecomputeSpec("blend", 1.0, None, (1,)).select(
+        layout, torch.zeros(21)) == tuple(range(3, 24))
+
+
+def test_select_takes_the_best_scores_ties_to_the_earlier_token():
+    layout = PromptLayout.build(2, [4, 4], "sequential")
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.5, 0.0, 0.9, 0.2])
+    spec = RecomputeSpec("query", 0.5, None, (1,))
+    assert spec.select(layout, scores) == (3, 4, 5, 8)  # 0.9, 0.9, then the first 0.5
+    spec = RecomputeSpec("sink+blend", 0.5, 1, (1,))
+    assert spec.select(layout, scores) == (2, 3, 6, 8)  # sinks 2 and 6, then 0.9 and 0.9
+    with pytest.raises(ValueError, match="one score per chunk token"):
+        spec.select(layout, torch.zeros(3))
