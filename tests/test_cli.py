@@ -35,6 +35,24 @@ def test_generate_with_a_layout():
     assert r.returncode == 2 and "position-strategy" in r.stderr
 
 
+def test_generate_with_selective_recompute():
+    """--recompute flags reach the engine: at r = 0 the sequential layout's tokens (r = 1
+    equals a full prefill: test_recompute.py); without sequential positions, a clear error."""
+    doc = "Sys ## doc one ## doc two ## question?"
+    outs = {}
+    for name, extra in (("r1", ("--recompute", "sink+blend", "--recompute-ratio", "1",
+                                "--recompute-check-layers", "0,1")),
+                        ("r0", ("--recompute", "query", "--recompute-ratio", "0")),
+                        ("seq", ())):
+        r = ragkv("generate", "--model", "builtin:tiny", "--json", "--max-tokens", "5",
+                  "--prompt", doc, "--position-strategy", "sequential", *extra)
+        assert r.returncode == 0, r.stderr
+        outs[name] = json.loads(r.stdout)["token_ids"]
+    assert outs["r0"] == outs["seq"] and len(outs["r1"]) == 5
+    r = ragkv("generate", "--model", "builtin:tiny", "--prompt", doc, "--recompute", "blend")
+    assert r.returncode != 0 and "position_strategy='sequential'" in r.stderr
+
+
 def test_generate_bad_model_is_a_clear_error():
     r = ragkv("generate", "--model", "/does/not/exist", "--prompt", "x")
     assert r.returncode == 2

@@ -73,6 +73,27 @@ def test_mode_equal_to_reference_scores_kl_zero(tiny):
     tiny.check_integrity()
 
 
+def test_recompute_modes_span_sequential_to_full(tiny):
+    """`METHOD@RATIO` modes: r = 0 scores exactly like `sequential`, r = 1 like `full`, and
+    the probe of `query` does not see the gold answer (the scored tokens), so generation and
+    scoring choose the same tokens."""
+    items = pick_items(build_suite(3, seed=2), 4)
+    results = evaluate(tiny, items, ["sequential", "query@0", "query@0.3", "blend@1"],
+                       max_tokens=3, progress=False)
+    summary = {m: s["overall"] for m, s in summarize(results).items()}
+    assert summary["query@0"]["gold_logprob"] == pytest.approx(
+        summary["sequential"]["gold_logprob"], abs=1e-4)
+    assert summary["blend@1"]["gold_logprob"] == pytest.approx(
+        summary["full"]["gold_logprob"], abs=1e-4)
+    assert abs(summary["blend@1"]["kl"]) < 1e-6
+    assert get_mode("sink+query@0.15").description.startswith("sequential-isolated")
+    for bad, fragment in (("blend@x", "must be a number"), ("blend@2", "recompute_ratio"),
+                          ("magic@0.1", "recompute must be one of")):
+        with pytest.raises(ValueError, match=fragment):
+            get_mode(bad)
+    tiny.check_integrity()
+
+
 def test_unknown_mode_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="unknown eval mode 'nope'"):
         evaluate(tiny, pick_items(build_suite(1), 1), ["nope"], progress=False)

@@ -169,6 +169,32 @@ def test_layout_per_request_in_extra_body(server, client, offline):
     integrity(server)
 
 
+def test_recompute_per_request_in_extra_body(server, client, offline):
+    """`recompute` / `recompute_ratio` / `recompute_sink_tokens` in the body: the offline
+    engine's output for the same options, `num_recomputed_tokens` in usage, and the counter."""
+    params = SamplingParams(max_tokens=8, temperature=0)
+    before = metric(server, "ragkv:chunk_recomputed_tokens_total")
+    options = {"position_strategy": "sequential", "recompute": "sink+query",
+               "recompute_ratio": 0.5, "recompute_sink_tokens": 2}
+    r = client.completions.create(model=MODEL, prompt=DOCS_PROMPT, max_tokens=8,
+                                  temperature=0, extra_body=options)
+    want = offline.generate({"prompt": DOCS_PROMPT, **options}, params, use_tqdm=False)[0]
+    assert r.choices[0].text == want.outputs[0].text
+    recomputed = want.metrics.num_recomputed_tokens
+    assert recomputed > 0 and r.usage.model_extra["num_recomputed_tokens"] == recomputed
+    docs = ["Bread needs flour, water and salt.", "Rye bread is dense and dark."]
+    messages = [{"role": "user", "content": "Which is denser?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0,
+        extra_body={"documents": docs, "recompute": "blend", "recompute_ratio": 1.0})
+    prompt = offline.engine.process_chat(messages, docs, recompute="blend", recompute_ratio=1.0)
+    want = offline.generate(prompt, params, use_tqdm=False)[0]
+    assert chat.choices[0].message.content == want.outputs[0].text
+    assert chat.usage.model_extra["num_recomputed_tokens"] == sum(len(c) for c in prompt.chunks)
+    assert metric(server, "ragkv:chunk_recomputed_tokens_total") >= before + recomputed
+    integrity(server)
+
+
 def test_api_key_enforced(server):
     url = f"{server}/v1/completions"
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
@@ -199,6 +225,11 @@ def test_api_key_enforced(server):
      "position_strategy"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "q"}], "documents": ["d"],
       "chunk_attention": "global"}, 400, "chunk_attention"),
+    ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "most"}, 400, "recompute"),
+    ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "blend", "recompute_ratio": 2},
+     400, "recompute_ratio"),
+    ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "blend",
+      "position_strategy": "shared"}, 400, "sequential layout"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, status, fragment):
     chat = isinstance(body, dict) and "messages" in body
