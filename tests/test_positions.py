@@ -26,6 +26,7 @@ from ragkv.model.attention import (
     build_decode_turns,
     causal_mask,
     rotated_attention,
+    rotated_keys_attention,
     turned_decode,
 )
 from ragkv.model.layers import RotaryEmbedding, apply_rotary
@@ -359,6 +360,35 @@ def test_turning_queries_equals_rotating_keys(q_len):
         q.transpose(0, 1)[None], moved.transpose(0, 1)[None], vs.transpose(0, 1)[None],
         attn_mask=mask, scale=0.125, enable_gqa=True)[0].transpose(0, 1)
     assert (got - want).abs().max() < 1e-5
+    # The many-queries route turns the keys instead (a private copy): the same attention.
+    tail = mask[:, k_len - q_len:] if mask is not None else None
+    other = rotated_keys_attention(q, ks.clone(), vs,
+                                   tuple((a, b, i) for i, (a, b, _) in enumerate(ranges)),
+                                   cos, sin, 0.125, tail)
+    assert (other - want).abs().max() < 1e-5
+
+
+def test_scattered_queries_see_the_entries_up_to_their_own():
+    """Recomputed chunk tokens (query_index) are queries at scattered entries of their KV
+    list: each sees entries up to its own, through both rotated routes and plain SDPA."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, d, k_len = 4, 2, 32, 40
+    at = torch.tensor([3, 4, 11, 25, 39])
+    meta = AttentionMetadata(q_lens=[5], kv_lens=[k_len], q_starts=[0], kv_indices=[],
+                             write_slots=torch.zeros(5), self_only=[False], seq_lens=[40],
+                             query_index=[at])
+    mask = meta.mask(0, torch.device("cpu"))
+    assert mask.shape == (5, k_len - 3) and mask[0].sum() == 1 and mask[-1].all()
+    q = torch.randn(5, heads, d, generator=gen)
+    ks = torch.randn(k_len, kv_heads, d, generator=gen)
+    vs = torch.randn(k_len, kv_heads, d, generator=gen)
+    full = torch.arange(k_len)[None, :] <= at[:, None]
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+        attn_mask=full, scale=0.2, enable_gqa=True)[0].transpose(0, 1)
+    for attend in (rotated_attention, rotated_keys_attention):
+        got = attend(q, ks.clone(), vs, (), None, None, 0.2, mask)
+        assert (got - want).abs().max() < 1e-5
 
 
 def test_batched_turned_decode_equals_one_row_at_a_time():

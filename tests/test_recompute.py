@@ -213,6 +213,17 @@ def test_uncached_chunks_recompute_in_their_own_slots(llama):
         llm.check_integrity()
 
 
+def test_many_query_route_at_the_ends(llama, monkeypatch):
+    """Sequences with many queries attend through keys turned forward (a private copy):
+    with every extend taking that route, r = 1 is still the full prefill."""
+    from ragkv.model import attention
+
+    monkeypatch.setattr(attention, "_TURN_KEYS_FROM", 2)
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    scenario(llm, hf, "sink+blend")
+
+
 def test_recompute_on_the_triton_backend(llama):
     pytest.importorskip("triton")
     path, hf = llama

@@ -3,16 +3,49 @@ over question-only FLOPs on the same context)."""
 
 from __future__ import annotations
 
+import math
 
-def prefill_flops(mc, query_kv_lens: list[int]) -> float:
+
+def prefill_flops(mc, query_kv_lens: list[int], layers: int | None = None,
+                  head: bool = True) -> float:
     """FLOPs of computing the given query tokens, each attending to its KV length; projections,
-    MLP and attention per token, plus one LM-head row."""
+    MLP and attention per token in `layers` layers (all by default), plus one LM-head row."""
     d, h, kvh, hd = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    layers = mc.num_layers if layers is None else layers
     attn_proj = 2 * d * (h * hd + 2 * kvh * hd) + 2 * h * hd * d  # qkv and o
     per_layer_linear = attn_proj + 3 * 2 * d * mc.intermediate_size  # + gate, up, down
-    linear = mc.num_layers * per_layer_linear * len(query_kv_lens)
-    attention = mc.num_layers * sum(4 * h * hd * k for k in query_kv_lens)
-    return linear + attention + 2 * d * mc.vocab_size
+    linear = layers * per_layer_linear * len(query_kv_lens)
+    attention = layers * sum(4 * h * hd * k for k in query_kv_lens)
+    return linear + attention + (2 * d * mc.vocab_size if head else 0)
+
+
+def recompute_flops(mc, system: int, chunk_lens: list[int], question: int, ratio: float,
+                    probe: str | None, probe_layers: int = 2) -> float:
+    """FLOPs of a warm selective-recompute request in the sequential layout: the recomputed
+    chunk tokens (spread evenly over the chunks) and the question, each attending to everything
+    before it, plus the probe that chooses them: `blend` runs every chunk token through the
+    probe layers but the last, and the last one's K/V projection; `query` the question tokens
+    through the probe layers."""
+    context = system + sum(chunk_lens)
+    total = sum(chunk_lens)
+    count = min(total, math.ceil(ratio * total - 1e-9))
+    picked = [system + 1 + (i * total) // count for i in range(count)] if count else []
+    work = picked + [context + t for t in range(1, question + 1)]
+    flops = prefill_flops(mc, work)
+    d, kvh, hd = mc.hidden_size, mc.num_kv_heads, mc.head_dim
+    if probe == "blend":
+        chunk_kv = [system + t for t in range(1, total + 1)]
+        flops += prefill_flops(mc, chunk_kv, layers=probe_layers - 1, head=False)
+        flops += total * 2 * d * 2 * kvh * hd
+    elif probe == "query":
+        question_kv = [context + t for t in range(1, question + 1)]
+        flops += prefill_flops(mc, question_kv, layers=probe_layers, head=False)
+    return flops
+
+
+def full_prefill_flops(mc, num_tokens: int) -> float:
+    """An ordinary causal prefill of `num_tokens` tokens."""
+    return prefill_flops(mc, list(range(1, num_tokens + 1)))
 
 
 def rag_flop_bound(mc, system: int, chunk_lens: list[int], question: int) -> float:

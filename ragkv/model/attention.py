@@ -236,13 +236,49 @@ def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: 
     return out.view(batch, heads, d).to(q.dtype)
 
 
+def rotated_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
+                           rotations: tuple[tuple[int, int, int], ...],
+                           cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float,
+                           mask: torch.Tensor | None) -> torch.Tensor:
+    """`rotated_attention` computed the other way round, for many queries: the gathered keys
+    (a private copy, never the pool) of each range are turned forward by its delta, in
+    float32, then one fused SDPA call attends. Turning queries costs q_len rows per range and
+    scores materialized range by range; turning keys costs the ranges' rows once, so it wins
+    once a sequence has more than a few queries (selectively recomputed chunk tokens)."""
+    q_len, heads, d = q.shape
+    k_len = ks.shape[0]
+    ks = ks.float()
+    for start, end, row in rotations:
+        end = min(end, k_len)
+        if start < end:
+            n = end - start
+            # cos and sin turn by minus the delta (for queries); -sin turns by plus it.
+            ks[start:end] = apply_rotary(ks[start:end], cos[row].expand(n, d),
+                                         (-sin[row]).expand(n, d))
+    full = None
+    if mask is not None:
+        seen = mask.new_ones(q_len, k_len - mask.shape[1])
+        full = torch.cat([seen, mask], dim=1) if seen.shape[1] else mask
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
+        vs.float().transpose(0, 1).unsqueeze(0), attn_mask=full, scale=scale,
+        enable_gqa=heads != ks.shape[1])
+    return o[0].transpose(0, 1).to(q.dtype)
+
+
+# From this many queries on, a re-positioned sequence turns its keys instead of its queries.
+_TURN_KEYS_FROM = 64
+
+
 def attend_rotated(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: AttentionMetadata, i: int, index: torch.Tensor,
                    mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
-    """Sequence i of the step through `rotated_attention`, written into its rows of `out`."""
+    """Sequence i of the step through `rotated_attention` (or `rotated_keys_attention` when
+    it has many queries), written into its rows of `out`."""
     qs, ql = meta.q_starts[i], meta.q_lens[i]
     rotations = meta.rotations[i] if meta.rotated(i) else ()
-    out[qs:qs + ql] = rotated_attention(
+    attend = rotated_keys_attention if ql >= _TURN_KEYS_FROM else rotated_attention
+    out[qs:qs + ql] = attend(
         q[qs:qs + ql], k_cache.index_select(0, index), v_cache.index_select(0, index),
         rotations, meta.rotation_cos, meta.rotation_sin, scale, mask)
 
