@@ -12,7 +12,9 @@ in the probe and never written to the pool. Scores, one per chunk token:
 - `query`: the question tokens probe; at a check layer, the attention weight all their heads
   give each chunk token.
 Each check layer's scores are divided by their total, so layers weigh alike when several are
-checked. Queries go in row blocks so the [heads, rows, keys] weights stay bounded.
+checked. Attention whose weights are not wanted is one fused call over keys turned forward (a
+private copy); where they are, queries go in row blocks so the [heads, rows, keys] weights
+stay bounded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.kv_pool import KVPool
-from .attention import rotated_probs
+from .attention import causal_mask, rotated_keys_attention, rotated_probs
 from .llama import CausalLM
 
 # Bound on the attention weights one block of probe queries materializes (float32 elements).
@@ -92,6 +94,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     the attention weight of all queries and heads on each of entries a .. b-1 (float64)."""
     n, heads, d = q.shape
     k_len, kv_heads = keys.shape[0], keys.shape[1]
+    if weigh is None:  # no weights wanted: one fused call over keys turned forward
+        mask = causal_mask(n, n, q.device) if n > 1 else None
+        return rotated_keys_attention(q, keys, values, rows, cos, sin, scale, mask), None
     group = heads // kv_heads
     out = torch.empty_like(q)
     weight = None if weigh is None else torch.zeros(weigh[1] - weigh[0], dtype=torch.float64,
