@@ -224,6 +224,19 @@ def test_many_query_route_at_the_ends(llama, monkeypatch):
     scenario(llm, hf, "sink+blend")
 
 
+def test_recompute_without_a_system_prompt(llama):
+    """With S empty, the recomputed tokens of a first chunk are a work whose KV list is only
+    its own new tokens (regression: found by the property test)."""
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_cache_tokens=256,
+                   max_num_batched_tokens=8)
+    A, B = random_prompt(6, seed=120), random_prompt(9, seed=121)
+    for chunks in ([A, A], [B, A]):
+        prompt = rc([], chunks, random_prompt(3, seed=122), "sink+blend", 1.0)
+        check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0], "full")
+        llm.check_integrity()
+
+
 def test_recompute_on_the_triton_backend(llama):
     pytest.importorskip("triton")
     path, hf = llama

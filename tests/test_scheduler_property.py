@@ -3,9 +3,10 @@ with shared and duplicate chunks, on tiny KV pools, tiny chunk regions and tiny 
 arriving at random steps and aborted at random steps, driven one `engine.step()` at a time.
 
 Each RAG request takes one of the four layouts (shared or sequential positions, isolated or
-standalone chunks), so entries are shared across layouts and re-positioned chunks meet every
-mechanism. Whatever the interleaving (chunked prefill, chunk jobs shared between requests,
-preemption and recompute, prefix-cache eviction, chunk-cache eviction), every request that
+standalone chunks) or selective recompute at r = 1 or r = 0, so entries are shared across
+layouts, and re-positioned chunks and recomputed tokens meet every mechanism. Whatever the
+interleaving (chunked prefill, chunk jobs shared between requests, preemption and recompute,
+prefix-cache eviction, chunk-cache eviction), every request that
 finishes must give exactly the greedy tokens of the one-pass reference (DESIGN §1),
 `check_integrity()` must hold after every step, the engine must drain, and once idle every
 general slot and chunk pin must be back (and the chunk cache can be cleared to empty). Below
@@ -70,9 +71,14 @@ class Req:
     layout: int = 0  # index into LAYOUTS (RAG requests)
 
 
-# (position_strategy, chunk_attention): every RAG layout, mixed in one workload.
-LAYOUTS = (("shared", "isolated"), ("sequential", "isolated"), ("shared", "standalone"),
-           ("sequential", "standalone"))
+# (position_strategy, chunk_attention, recompute, recompute_ratio): every RAG layout, and
+# selective recompute at the ends of its curve (r = 1: the full prefill of the flat prompt;
+# r = 0: the layout itself), mixed in one workload.
+LAYOUTS = (("shared", "isolated", None, None), ("sequential", "isolated", None, None),
+           ("shared", "standalone", None, None), ("sequential", "standalone", None, None),
+           ("sequential", "isolated", "sink+blend", 1.0),
+           ("sequential", "standalone", "query", 1.0),
+           ("sequential", "isolated", "blend", 0.0))
 
 
 @dataclass(frozen=True)
@@ -93,9 +99,9 @@ class Workload:
         if req.chunks is None:
             return {"prompt_token_ids": system + question}
         chunks = [self.tokens(self.pool[i], 200) for i in req.chunks]
-        strategy, attention = LAYOUTS[req.layout]
+        strategy, attention, recompute, ratio = LAYOUTS[req.layout]
         return RAGPrompt(system, chunks, question, position_strategy=strategy,
-                         chunk_attention=attention)
+                         chunk_attention=attention, recompute=recompute, recompute_ratio=ratio)
 
 
 def prompt_len(w: Workload, req: Req) -> int:
@@ -152,10 +158,13 @@ def workloads(draw) -> Workload:
 
 
 def _parts(prompt) -> tuple[tuple, tuple, tuple, tuple[str, str]]:
+    if isinstance(prompt, RAGPrompt) and prompt.recompute_ratio == 1.0:
+        flat = list(prompt.system) + [t for c in prompt.chunks for t in c] + prompt.question
+        return (), (), tuple(flat), LAYOUTS[0][:2]
     if isinstance(prompt, RAGPrompt):
         return (tuple(prompt.system), tuple(tuple(c) for c in prompt.chunks),
                 tuple(prompt.question), (prompt.position_strategy, prompt.chunk_attention))
-    return (), (), tuple(prompt["prompt_token_ids"]), LAYOUTS[0]
+    return (), (), tuple(prompt["prompt_token_ids"]), LAYOUTS[0][:2]
 
 
 def _layout(system: tuple, chunks: tuple, question: tuple, layout: tuple[str, str]):

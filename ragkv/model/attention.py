@@ -309,11 +309,15 @@ class TorchAttentionBackend:
                 state.decode_turns = build_decode_turns(meta, decode, max_k, device)
         for i in state.extend_seqs:
             q, k = meta.q_lens[i], meta.kv_lens[i]
+            if meta.rotated(i) or meta.indexed(i):
+                # Gathered from the pool even when the list is only the new tokens (recomputed
+                # chunk tokens with no S before them): the new K/V are written first.
+                state.seq_masks[i] = meta.mask(i, device)
+                state.extend_index[i] = meta.kv_indices[i]
+                continue
             if not meta.self_only[i]:
                 state.extend_index[i] = meta.kv_indices[i]
-            if meta.rotated(i) or meta.indexed(i):
-                state.seq_masks[i] = meta.mask(i, device)
-            elif q != k and (q, k) not in state.masks:
+            if q != k and (q, k) not in state.masks:
                 state.masks[(q, k)] = causal_mask(q, k, device)
         meta.backend_state = state
 
