@@ -26,11 +26,11 @@ def points(summary: dict) -> dict[str, list[tuple[float, str]]]:
             curves.setdefault(method, []).append((float(ratio), mode))
     ends = [(0.0, "sequential")] if "sequential" in summary else []
     one = next((m for m in summary if "@" in m and float(m.partition("@")[2]) == 1.0), None)
-    for method, pts in curves.items():
+    for pts in curves.values():
         pts[:] = [p for p in pts if p[0] != 1.0]
         pts += ends + ([(1.0, one)] if one else [])
         pts.sort()
-    return {m: p for m, p in curves.items() if len(p) > 1 or m == "blend"}
+    return curves
 
 
 def main() -> None:
