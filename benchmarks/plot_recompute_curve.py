@@ -98,6 +98,8 @@ def main() -> None:
         ax = axes[-1]
         for method in curves:
             pts = sorted((r, p) for (m, r), p in ttft.items() if m == method)
+            if not pts:
+                continue
             line, = ax.plot([r for r, _ in pts], [p["warm_ttft_s"] * 1e3 for _, p in pts],
                             marker="o", label=f"{method} measured")
             ax.plot([r for r, _ in pts], [ttft_full * 1e3 / p["flop_bound"] for _, p in pts],
