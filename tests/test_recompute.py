@@ -330,3 +330,90 @@ def test_select_takes_the_best_scores_ties_to_the_earlier_token():
     assert spec.select(layout, scores) == (2, 3, 6, 8)  # sinks 2 and 6, then 0.9 and 0.9
     with pytest.raises(ValueError, match="one score per chunk token"):
         spec.select(layout, torch.zeros(3))
+
+
+# ------------------------------------------------------------------- scheduler regressions
+
+
+def _scheduler_request(spec):
+    from ragkv.cache.chunk_cache import ChunkCache
+    from ragkv.cache.kv_manager import KVCacheManager, SeqKV
+    from ragkv.cache.kv_pool import SlotAllocator
+    from ragkv.engine.request import Request
+    from ragkv.engine.scheduler import Scheduler
+    from ragkv.outputs import RequestMetrics
+
+    kv = KVCacheManager(SlotAllocator(1, 64), False)
+    cache = ChunkCache(SlotAllocator(64, 100))
+    sched = Scheduler(kv, cache, 4, 64, False, debug_checks=True, num_layers=4)
+    S, C, Q = [1, 2], [(3, 4, 5, 6), (7, 8, 9, 10)], [11, 12]
+    layout = PromptLayout.build(2, [4, 4], "sequential", "isolated")
+    tokens = S + [t for c in C for t in c] + Q
+    req = Request(request_id="a", parent_id="a", index=0, prompt=None,
+                  prompt_token_ids=tokens, params=GREEDY, generator=torch.Generator(),
+                  max_tokens=2, stop_ids=frozenset(), metrics=None, layout=layout,
+                  system=tuple(S), chunks=tuple(C), namespace="n", kv=SeqKV(),
+                  recompute=spec)
+    req.metrics = RequestMetrics(arrival_time=0.0)
+    return sched, cache, req
+
+
+def test_chunks_computed_in_a_step_are_recomputed_the_step_after():
+    """A request that computes its chunks in a step (cold, or readmitted after preemption
+    with its entries evicted) recomputes its chosen tokens only from the next step: in the
+    same step its chunk works would write through the slots the recomputed tokens take over
+    (regression, found in review)."""
+    from ragkv.engine.scheduler import SchedulerOutput
+
+    sched, cache, req = _scheduler_request(RecomputeSpec("sink", 0.5, 2, (1,)))
+    sched.add(req)
+    out = sched.schedule()  # S and both chunks; sink needs no probe: chosen now
+    assert req.selected == (2, 3, 6, 7) and not out.selecting
+    assert all(w.query_index is None for w in out.works)
+    sched.update(out)
+    sched._preempt(req, SchedulerOutput())
+    assert cache.clear() == 2
+    out = sched.schedule()  # readmitted: the chunks again, nothing recomputed yet
+    entries = {s for b in req.bindings for s in b.entry.slots}
+    assert all(w.query_index is None for w in out.works)
+    assert {req.kv.slots[p] for w in out.works for p in w.write_positions()} >= entries
+    sched.update(out)
+    out = sched.schedule()
+    assert [w.query_index for w in out.works][0] == (2, 3, 6, 7)
+    written = {req.kv.slots[p] for w in out.works for p in w.write_positions()}
+    assert not written & entries  # the entries are never written by the recompute
+
+
+def test_a_failed_step_fails_the_requests_waiting_for_their_choice():
+    """A request whose only part in a step is the choice after it (it may reuse a chunk that
+    step was completing) fails with the step."""
+    sched, cache, req = _scheduler_request(RecomputeSpec("blend", 0.5, None, (1,)))
+    sched.add(req)
+    out = sched.schedule()
+    assert out.selecting == [req]
+    failed = sched.fail_step(out, "boom")
+    assert req in failed and req.status.finished and not sched.has_unfinished()
+    sched.kv.check_integrity([])
+    cache.check_integrity({})
+
+
+def test_one_layer_model_loads_with_recompute_off(tmp_path):
+    """The default check layer (1) is checked only where recompute is used."""
+    import conftest
+
+    from ragkv import LLM
+
+    path = str(tmp_path / "one")
+    # write_checkpoint reads the module's base config: one layer for this checkpoint only.
+    base = dict(conftest._BASE)
+    conftest._BASE["num_hidden_layers"] = 1
+    try:
+        conftest.write_checkpoint(path, "llama")
+    finally:
+        conftest._BASE.clear()
+        conftest._BASE.update(base)
+    llm = LLM(path, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match="layer 1"):
+        llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute="blend")], GREEDY,
+                     use_tqdm=False)
+    llm.check_integrity()

@@ -121,10 +121,8 @@ class Engine:
                                         max_chars)
         self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{KV_STORAGE}"
         self._check_rope(config.position_strategy, config.chunk_attention)
-        bad = [x for x in config.recompute_check_layers if x >= mc.num_layers]
-        if bad:
-            raise ValueError(f"recompute_check_layers={config.recompute_check_layers} names "
-                             f"layer {bad[0]}; the model has layers 0 .. {mc.num_layers - 1}")
+        if config.recompute != "none":
+            self._check_layers()
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, self.max_model_len, self.device)
         self.kv.slot_table = self.slot_table
@@ -189,7 +187,15 @@ class Engine:
         if strategy != "sequential":
             raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
                              f"layout, not with position_strategy={strategy!r}")
+        self._check_layers()
         return RecomputeSpec(method, float(ratio), sink, c.recompute_check_layers)
+
+    def _check_layers(self) -> None:
+        layers, n = self.config.recompute_check_layers, self.model_config.num_layers
+        bad = [x for x in layers if x >= n]
+        if bad:
+            raise ValueError(f"recompute_check_layers={layers} names layer {bad[0]}; the "
+                             f"model has layers 0 .. {n - 1}")
 
     def process_chat(self, messages: list[dict], documents: list[str] | None = None,
                      cache_salt: str | None = None,
@@ -299,11 +305,7 @@ class Engine:
                                   [req.token_ids[x] for x in probed], positions, key_positions,
                                   req.kv.slots[:qs], layout.rotations, (s, qs),
                                   spec.check_layers)
-        if req.selected is None:
-            req.selected = spec.select(layout, scores)
-            req.metrics.num_recomputed_tokens = len(req.selected)
-            if self.chunk_cache is not None:
-                self.chunk_cache.count_recomputed(len(req.selected))
+        self.scheduler.choose(req, spec.select(layout, scores))
 
     @staticmethod
     def _check_params(params: SamplingParams | None) -> SamplingParams:

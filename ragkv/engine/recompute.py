@@ -18,7 +18,11 @@ R is chosen once per request, after the chunks' KV is ready and before the quest
 - `query` (ProphetKV, A^3 style): the chunk tokens the question attends to most at the check
   layers, probing the question through the first layers over the cached KV;
 - `sink+blend`, `sink+query`: the sink tokens first, the scorer's best for the rest.
-The probes (model/probe.py) run batched per request; this module is plain integers.
+The probes (model/probe.py) run batched per request; this module turns their scores (one per
+chunk token) into R, and takes the sink tokens and the budget from the layout alone. A choice
+that needs no probe is made by the scheduler as soon as the request reaches its question; one
+that does, right after the forward of the step that completes the request's chunks.
+Each of a request's n samples chooses (and recomputes) on its own: the choice is the same.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from ..cache.kv_manager import SeqKV
 from ..detokenizer import IncrementalDetokenizer
 from ..outputs import Logprob, RequestMetrics
 from ..sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .recompute import RecomputeSpec
 
 
 class RequestStatus(enum.Enum):
@@ -170,7 +174,7 @@ class Request:
     # Selective recompute (engine/recompute.py): the request's `RecomputeSpec` (None: off),
     # the chunk tokens it recomputes (flat indices, ascending; None until chosen, kept over
     # preemption: the choice depends only on the prompt) and how many of them have fresh KV.
-    recompute: object | None = None
+    recompute: RecomputeSpec | None = None
     selected: tuple[int, ...] | None = None
     num_recomputed: int = 0
 
@@ -187,12 +191,6 @@ class Request:
     def num_cached_tokens(self) -> int:
         """Prompt tokens whose KV was reused: prefix-cache hits plus chunk-cache hits."""
         return self.metrics.num_prefix_cached_tokens + self.metrics.num_chunk_cached_tokens
-
-    @property
-    def recomputing(self) -> bool:
-        """Whether selected chunk tokens still need their fresh KV (or R is not chosen yet)."""
-        return self.recompute is not None and (self.selected is None
-                                               or self.num_recomputed < len(self.selected))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -228,15 +228,22 @@ class Scheduler:
         s = layout.system_len
         used = 0
         stop = _Stop.DONE
+        computes_chunks = False  # this step computes some of the request's chunk tokens
         try:
             while x < req.num_tokens and used < budget:
                 if x == layout.question_start and req.recompute is not None:
                     planned = out.recomputed.get(id(req), (req, req.num_recomputed))[1]
+                    if req.selected is None and not req.recompute.needs_probe(layout):
+                        self.choose(req, req.recompute.select(layout, None))
                     if req.selected is None:
                         # R is chosen after this step's forward, which completes the
                         # chunks; the question waits for R's fresh KV.
                         out.selecting.append(req)
-                        used += self._probe_cost(req)
+                        used += min(self._probe_cost(req), budget - used)
+                        break
+                    if planned < len(req.selected) and computes_chunks:
+                        # Recomputed tokens take over chunk slots in the request's list,
+                        # which this step's chunk works still write through: next step.
                         break
                     if planned < len(req.selected):
                         used += self._plan_recompute(req, planned, budget - used, out,
@@ -261,6 +268,7 @@ class Scheduler:
                     n = min(end - x, budget - used)
                     spans = layout.chunk_kv_spans(chunk, x + n)
                     rotations = ()
+                    computes_chunks = True
                     if x + n == end and binding.entry is not None:
                         out.completing.append(binding.entry)
                 out.works.append(_work(req, x, x + n, spans, rotations))
@@ -272,11 +280,18 @@ class Scheduler:
             out.progress[id(req)] = (req, x)
         return used, stop
 
+    def choose(self, req: Request, selected: tuple[int, ...]) -> None:
+        """Record the chunk tokens `req` recomputes (once: kept over preemption)."""
+        if req.selected is not None:
+            return
+        req.selected = selected
+        req.metrics.num_recomputed_tokens = len(selected)
+        if self.chunk_cache is not None:
+            self.chunk_cache.count_recomputed(len(selected))
+
     def _probe_cost(self, req: Request) -> int:
         """Budget for choosing R: the probed tokens times the fraction of layers probed."""
         spec, layout = req.recompute, req.layout
-        if not spec.needs_probe(layout):
-            return 1
         probed = (layout.question_start - layout.system_len if spec.scorer == "blend"
                   else req.num_prompt_tokens - layout.question_start)
         return max(1, -(-probed * spec.probe_layers // self.num_layers))
@@ -373,10 +388,12 @@ class Scheduler:
                 self.kv.cache(req.kv, req.cacheable_tokens())
 
     def fail_step(self, out: SchedulerOutput, message: str) -> list[Request]:
-        """The model could not run this step: finish every request with work in it with
-        FINISHED_ERROR. Their slots come back; chunk entries they were computing are dropped;
-        nothing else changes. Returns the failed requests."""
+        """The model could not run this step: finish every request with work in it, or
+        waiting for its recomputed tokens to be chosen after it (it may reuse a chunk the
+        step was completing), with FINISHED_ERROR. Their slots come back; chunk entries they
+        were computing are dropped; nothing else changes. Returns the failed requests."""
         failed = out.requests()
+        failed += [r for r in out.selecting if r not in failed and not r.status.finished]
         for req in failed:
             req.error = message
             self.finish(req, RequestStatus.FINISHED_ERROR)

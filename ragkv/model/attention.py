@@ -241,8 +241,9 @@ def rotated_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                            cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float,
                            mask: torch.Tensor | None) -> torch.Tensor:
     """`rotated_attention` computed the other way round, for many queries: the gathered keys
-    (a private copy, never the pool) of each range are turned forward by its delta, in
-    float32, then one fused SDPA call attends. Turning queries costs q_len rows per range and
+    of each range are turned forward by its delta, in float32, then one fused SDPA call
+    attends. `ks` must be the caller's own gathered copy (never a view of the pool): in
+    float32 it is turned in place. Turning queries costs q_len rows per range and
     scores materialized range by range; turning keys costs the ranges' rows once, so it wins
     once a sequence has more than a few queries (selectively recomputed chunk tokens)."""
     q_len, heads, d = q.shape

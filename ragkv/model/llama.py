@@ -66,7 +66,6 @@ class Attention(nn.Module):
         out = backend.forward(q, k, v, layer, pool, meta, self.scale)
         return self.o_proj.forward(out.reshape(-1, self.q_size))
 
-
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             key_rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """q, k, v [T, heads or kv_heads, d] with q and k rotated by their own positions."""

@@ -99,8 +99,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         return rotated_keys_attention(q, keys, values, rows, cos, sin, scale, mask), None
     group = heads // kv_heads
     out = torch.empty_like(q)
-    weight = None if weigh is None else torch.zeros(weigh[1] - weigh[0], dtype=torch.float64,
-                                                    device=q.device)
+    weight = torch.zeros(weigh[1] - weigh[0], dtype=torch.float64, device=q.device)
     block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
     vs = values.float().transpose(0, 1)
     for t0 in range(0, n, block):
@@ -110,8 +109,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         seen = torch.arange(t0, t1, device=q.device)[:, None] + (k_len - n)
         mask = torch.arange(k_len - n + t0, k_len, device=q.device)[None, :] <= seen
         probs = rotated_probs(q[t0:t1], keys, rows, cos, sin, scale, mask)
-        if weight is not None:
-            weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
+        weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
         o = probs @ vs  # [kv_heads, group * rows, d]
         out[t0:t1] = o.view(kv_heads, group, t1 - t0, d).permute(2, 0, 1, 3).reshape(
             t1 - t0, heads, d).to(q.dtype)
