@@ -34,13 +34,10 @@ import torch
 
 
 def main() -> None:
+    from ragkv.bench.workload import add_bench_shape_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="builtin:small")
-    parser.add_argument("--system-tokens", type=int, default=64)
-    parser.add_argument("--doc-tokens", type=int, default=512)
-    parser.add_argument("--num-docs", type=int, default=4)
-    parser.add_argument("--question-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_bench_shape_args(parser)
     parser.add_argument("--decode-batch", type=int, default=8,
                         help="requests decoding together in the per-layout decode timing")
     parser.add_argument("--long-doc-tokens", type=int, default=4096,

@@ -28,13 +28,10 @@ METHODS = ("blend", "sink", "query")
 
 
 def main() -> None:
+    from ragkv.bench.workload import add_bench_shape_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="builtin:small")
-    parser.add_argument("--system-tokens", type=int, default=64)
-    parser.add_argument("--doc-tokens", type=int, default=512)
-    parser.add_argument("--num-docs", type=int, default=4)
-    parser.add_argument("--question-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_bench_shape_args(parser)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--ratios", default=",".join(str(r) for r in RATIOS))
     parser.add_argument("--json", default=None, help="write the figures to this file")

@@ -71,7 +71,8 @@ def main() -> None:
                   f"{g['kl'] if g['kl'] is not None else 0:.3f} | "
                   f"{g['top1_agreement'] if g['top1_agreement'] is not None else 1:.0%} | "
                   f"{timing} |")
-    print(f"full: accuracy {full['accuracy']:.1%}, two-hop {two_hop_full:.1%}, gold LL "
+    hop = "-" if two_hop_full is None else f"{two_hop_full:.1%}"
+    print(f"full: accuracy {full['accuracy']:.1%}, two-hop {hop}, gold LL "
           f"{full['gold_logprob']:.3f}" + (f", TTFT {ttft_full * 1e3:.0f} ms" if ttft else ""))
     if not args.plot:
         return

@@ -85,3 +85,41 @@ def test_serving_mode_against_a_running_server(tmp_path):
         assert res["cached_tokens"] > 0  # documents recur, so the server reuses them
         wrong = bench("--url", url, "--api-key", "wrong", "--model", "builtin:tiny", *SHAPE)
         assert wrong.returncode != 0 or "failed 6" in wrong.stdout
+
+
+def test_recompute_bench_and_curve_scripts(tmp_path):
+    """benchmarks/bench_recompute.py times every point it is asked for, with a FLOP bound that
+    is about 1 at r = 1; plot_recompute_curve.py turns an eval report and those timings into a
+    table."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ttft = tmp_path / "ttft.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_recompute.py"), "--model",
+         "builtin:tiny", "--doc-tokens", "24", "--num-docs", "2", "--system-tokens", "8",
+         "--question-tokens", "4", "--repeats", "1", "--methods", "blend,sink",
+         "--ratios", "0,0.5,1", "--json", str(ttft)], capture_output=True, text=True,
+        timeout=300)
+    assert r.returncode == 0, r.stderr
+    points = json.loads(ttft.read_text())["points"]
+    assert [(p["method"], p["ratio"]) for p in points] == [
+        (m, x) for m in ("blend", "sink") for x in (0.0, 0.5, 1.0)]
+    assert [p["recomputed_tokens"] for p in points] == [0, 24, 48] * 2
+    # r = 1 recomputes every chunk token and the question; only S (8 of 60 tokens) is saved.
+    assert all(1.0 < p["flop_bound"] < 60 / 52 + 0.01 for p in points if p["ratio"] == 1.0)
+    assert all(p["flop_bound"] > 4 for p in points if p["ratio"] == 0.0)
+    report = tmp_path / "eval.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "ragkv.cli", "eval", "--model", "builtin:tiny", "--device", "cpu",
+         "--limit", "3", "--num-per-task", "2", "--max-tokens", "2", "--modes",
+         "sequential,blend@0.5,sink@0.5,blend@1", "--json", str(report), "--no-progress"],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "plot_recompute_curve.py"),
+         str(report), "--ttft", str(ttft)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| blend")]
+    assert [row.split("|")[2].strip() for row in rows] == ["0", "0.5", "1"]
+    assert "| 100% |" in rows[-1]  # r = 1 closes the whole gap

@@ -8,6 +8,17 @@ import random
 from dataclasses import asdict, dataclass
 
 
+def add_bench_shape_args(parser, repeats: int = 5) -> None:
+    """The flags of the benchmark scripts' one RAG prompt shape (DESIGN §5: 64 + 4 x 512 + 32
+    on builtin:small) and how often each timing repeats."""
+    parser.add_argument("--model", default="builtin:small")
+    parser.add_argument("--system-tokens", type=int, default=64)
+    parser.add_argument("--doc-tokens", type=int, default=512)
+    parser.add_argument("--num-docs", type=int, default=4)
+    parser.add_argument("--question-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=repeats)
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
     num_docs: int = 16
