@@ -285,26 +285,23 @@ class Engine:
         return request_id
 
     def _select(self, req: Request) -> None:
-        """Choose the chunk tokens `req` recomputes (its chunks' KV is ready): the probe's
-        scores when its method needs them, then `RecomputeSpec.select`."""
+        """Choose the chunk tokens `req` recomputes by its method's probe (its chunks' KV is
+        ready; choices without a probe are the scheduler's), then `RecomputeSpec.select`."""
         spec: RecomputeSpec = req.recompute
         layout = req.layout
         s, qs = layout.system_len, layout.question_start
-        scores = None
-        if spec.needs_probe(layout):
-            if spec.scorer == "blend":
-                probed = list(range(s, qs))
-                key_positions, positions = layout.chunk_positions(probed)
-            else:
-                # Scored prompt tokens are an answer being scored (ragkv eval): choosing by
-                # them would let the answer pick its own evidence.
-                end = req.num_prompt_tokens - max(0, req.num_scored_tokens - 1)
-                probed = list(range(qs, max(end, qs + 1)))
-                positions = key_positions = layout.positions(qs, probed[-1] + 1)
-            scores = probe_scores(self.model, self.pool, spec.scorer,
-                                  [req.token_ids[x] for x in probed], positions, key_positions,
-                                  req.kv.slots[:qs], layout.rotations, (s, qs),
-                                  spec.check_layers)
+        if spec.scorer == "blend":
+            probed = list(range(s, qs))
+            key_positions, positions = layout.chunk_positions(probed)
+        else:
+            # Scored prompt tokens are an answer being scored (ragkv eval): choosing by them
+            # would let the answer pick its own evidence.
+            end = req.num_prompt_tokens - max(0, req.num_scored_tokens - 1)
+            probed = list(range(qs, max(end, qs + 1)))
+            positions = key_positions = layout.positions(qs, probed[-1] + 1)
+        scores = probe_scores(self.model, self.pool, spec.scorer,
+                              [req.token_ids[x] for x in probed], positions, key_positions,
+                              req.kv.slots[:qs], layout.rotations, (s, qs), spec.check_layers)
         self.scheduler.choose(req, spec.select(layout, scores))
 
     @staticmethod
