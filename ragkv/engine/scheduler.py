@@ -241,11 +241,11 @@ class Scheduler:
                         out.selecting.append(req)
                         used += min(self._probe_cost(req), budget - used)
                         break
-                    if planned < len(req.selected) and computes_chunks:
-                        # Recomputed tokens take over chunk slots in the request's list,
-                        # which this step's chunk works still write through: next step.
-                        break
                     if planned < len(req.selected):
+                        if computes_chunks:
+                            # Recomputed tokens take over chunk slots in the request's list,
+                            # which this step's chunk works still write through: next step.
+                            break
                         used += self._plan_recompute(req, planned, budget - used, out,
                                                      may_preempt)
                         continue
