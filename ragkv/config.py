@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .cache.chunk_cache import SUPPORTED_HASHES
+from .cache.chunk_store import check_chunk_store
 
 _DTYPES = {
     "float32": torch.float32,
@@ -65,6 +66,9 @@ class EngineConfig:
     max_chunk_tokens: int = 4096
     oversize_chunk: str = "error"
     chunk_hash_algo: str = "sha256"
+    # Tiers behind the chunk region, in order (cache/chunk_store.py), comma-separated:
+    # "host:8GiB,disk:/var/cache/ragkv:50GiB,redis://127.0.0.1:6379/0"; None: pool only.
+    chunk_store: str | None = None
     # Default layout of a RAG prompt; a request may choose another (RAGPrompt, extra_body).
     # shared: every chunk at positions right after S; sequential: one after another, as in
     # an ordinary prompt. isolated: a chunk sees S and itself; standalone: itself only.
@@ -124,6 +128,10 @@ class EngineConfig:
         if self.chunk_hash_algo not in SUPPORTED_HASHES:
             raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, got "
                              f"{self.chunk_hash_algo!r}")
+        check_chunk_store(self.chunk_store)
+        if self.chunk_store and not self.enable_chunk_cache:
+            raise ValueError("chunk_store backs the chunk cache: it needs "
+                             "enable_chunk_cache=True")
         if self.chunk_separator is not None and (
                 not isinstance(self.chunk_separator, str) or not self.chunk_separator.strip()):
             raise ValueError("chunk_separator must be a non-blank string or None")

@@ -84,6 +84,27 @@ class LLM:
         """Drop every cached chunk no running request uses; returns how many."""
         return self.engine.clear_chunk_cache()
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool's memory (vLLM's name; level 1: the weights stay loaded). Cached
+        chunks are offloaded to host memory and restored by `wake_up()`, so hits after waking
+        equal hits before; the prefix cache is dropped. Refused while requests run."""
+        if level != 1:
+            raise ValueError(f"sleep level {level!r} is not supported: level 1 frees the KV "
+                             "pool (ragkv keeps the weights loaded)")
+        self.engine.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Allocate the KV pool again and restore the chunks `sleep()` offloaded. `tags`
+        (vLLM's) choose what wakes: "kv_cache" does; "weights" never left."""
+        unknown = set(tags or ()) - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' or 'kv_cache', got {tags!r}")
+        if tags is None or "kv_cache" in tags:
+            self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
     def check_integrity(self) -> None:
         self.engine.check_integrity()
 

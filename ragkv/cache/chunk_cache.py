@@ -19,6 +19,10 @@ cannot starve running requests nor be starved by them. Rules:
   entries least recently used first; it returns None if the region cannot make room;
 - `complete` marks the owner's computation done; `abandon` drops an unfinished entry whose
   owner stopped (its slots are freed once nobody pins it).
+
+With a chunk store (chunk_store.py) behind it, a lookup that misses the pool asks the store's
+tiers and promotes a verified hit into the pool (a hit for the request); a completed entry is
+written through to the shared tiers, and an evicted one is demoted to the host tier.
 """
 
 from __future__ import annotations
@@ -29,17 +33,21 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .kv_pool import SlotAllocator
+from .chunk_format import ChunkMeta, ChunkRecord
+from .chunk_store import TieredChunkStore, TierStats
+from .kv_pool import KVPool, SlotAllocator
 
 SUPPORTED_HASHES = ("sha256", "xxh3_128")
 
 
 class ChunkEntry:
-    __slots__ = ("key", "system", "tokens", "slots", "ref_count", "complete", "alive")
+    __slots__ = ("key", "namespace", "system", "tokens", "slots", "ref_count", "complete",
+                 "alive")
 
     def __init__(self, key: bytes, system: tuple[int, ...], tokens: tuple[int, ...],
-                 slots: list[int]) -> None:
+                 slots: list[int], namespace: str = "") -> None:
         self.key = key
+        self.namespace = namespace
         self.system = system
         self.tokens = tokens
         self.slots = slots
@@ -71,6 +79,13 @@ class ChunkCacheStats:
     # read but not used by those requests), and the requests that chose them.
     recomputed_requests: int = 0
     recomputed_tokens: int = 0
+    # Lookups that missed the pool and were served from a chunk-store tier (also counted in
+    # `hits`), the tiers' own counters in their order, and writes dropped because the store's
+    # writer fell behind.
+    store_hits: int = 0
+    store_hit_tokens: int = 0
+    store: tuple[TierStats, ...] = ()
+    store_dropped_writes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -82,7 +97,11 @@ class ChunkCacheStats:
 
 
 class ChunkCache:
-    def __init__(self, allocator: SlotAllocator | None, hash_algo: str = "sha256") -> None:
+    def __init__(self, allocator: SlotAllocator | None, hash_algo: str = "sha256",
+                 store: TieredChunkStore | None = None, pool: KVPool | None = None,
+                 model: str = "") -> None:
+        """`store` (with the `pool` whose chunk region `allocator` hands out, and the `model`
+        fingerprint its entries must carry) backs the pool; None keeps chunks in the pool only."""
         if hash_algo not in SUPPORTED_HASHES:
             raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, "
                              f"got {hash_algo!r}")
@@ -98,7 +117,11 @@ class ChunkCache:
         self.evictions = self.evicted_tokens = 0
         self.repositioned_chunks = self.repositioned_tokens = 0
         self.recomputed_requests = self.recomputed_tokens = 0
+        self.store_hits = self.store_hit_tokens = 0
         self._lookup_seconds = 0.0
+        self.store = store if allocator is not None else None
+        self.pool = pool
+        self.model = model
 
     @property
     def capacity(self) -> int:
@@ -118,6 +141,8 @@ class ChunkCache:
         start = time.perf_counter()
         key = self.key(namespace, system, tokens)
         entry = self.find(key, system, tokens)
+        if entry is None and self.store is not None and key not in self._entries:
+            entry = self._load(key, namespace, system, tokens)
         self.lookups += 1
         if entry is None:
             self.misses += 1
@@ -164,8 +189,8 @@ class ChunkCache:
             self._lru[entry.key] = entry
             self._lru_tokens += len(entry)
 
-    def reserve(self, key: bytes, system: tuple[int, ...],
-                tokens: tuple[int, ...]) -> ChunkEntry | None:
+    def reserve(self, key: bytes, system: tuple[int, ...], tokens: tuple[int, ...],
+                namespace: str = "") -> ChunkEntry | None:
         """A new entry to be computed by the caller, pinned once; None if it cannot fit."""
         if self.allocator is None or len(tokens) > self.allocator.capacity:
             return None
@@ -176,7 +201,7 @@ class ChunkCache:
             return None
         self.evict(need)
         slots = self.allocator.alloc(len(tokens))
-        entry = ChunkEntry(key, system, tokens, slots)
+        entry = ChunkEntry(key, system, tokens, slots, namespace)
         entry.ref_count = 1
         self._entries[key] = entry
         return entry
@@ -190,6 +215,54 @@ class ChunkCache:
         if entry.ref_count == 0:  # the owner already let go
             self._lru[entry.key] = entry
             self._lru_tokens += len(entry)
+        if self.store is not None and self.store.has_shared_tier:
+            self.store.put(self._record(entry))
+
+    def _meta(self, key: bytes, namespace: str, system: tuple[int, ...],
+              tokens: tuple[int, ...]) -> ChunkMeta:
+        _, layers, _, heads, dim = self.pool.kv.shape
+        return ChunkMeta.describe(key, self.model, self.pool.kv.dtype, namespace, system, tokens,
+                                  (layers, heads, dim))
+
+    def _record(self, entry: ChunkEntry) -> ChunkRecord:
+        return ChunkRecord(self._meta(entry.key, entry.namespace, entry.system, entry.tokens),
+                           self.pool.read(entry.slots))
+
+    def _load(self, key: bytes, namespace: str, system: tuple[int, ...],
+              tokens: tuple[int, ...]) -> ChunkEntry | None:
+        """Promote the chunk from the store into the pool: a complete, unpinned entry, or None
+        (not stored, or no room in the region)."""
+        if self.allocator is None or len(tokens) > self.allocator.capacity:
+            return None
+        found = self.store.get(self._meta(key, namespace, system, tokens))
+        if found is None:
+            return None
+        entry = self.insert(key, namespace, system, tokens, found[0].kv)
+        if entry is not None:
+            self.store_hits += 1
+            self.store_hit_tokens += len(tokens)
+        return entry
+
+    def insert(self, key: bytes, namespace: str, system: tuple[int, ...],
+               tokens: tuple[int, ...], kv) -> ChunkEntry | None:
+        """A complete, unpinned entry holding `kv` (loaded, not computed: it is not written
+        back to the store), or None if the region cannot make room."""
+        entry = self.reserve(key, system, tokens, namespace)
+        if entry is None:
+            return None
+        self.pool.write(entry.slots, kv)
+        entry.complete = True
+        self.unpin(entry)
+        return entry
+
+    def offload(self) -> list[tuple[ChunkEntry, ChunkRecord]]:
+        """Every complete entry no request uses, least recently used first, with its KV
+        copied to the host; they leave the pool (uncounted as evictions, not demoted)."""
+        out = []
+        for entry in list(self._lru.values()):
+            out.append((entry, self._record(entry)))
+            self._drop(entry)
+        return out
 
     def abandon(self, entry: ChunkEntry) -> None:
         """The owner stops before finishing: drop the entry and release the owner's pin."""
@@ -201,16 +274,24 @@ class ChunkCache:
 
     def evict(self, num_tokens: int) -> int:
         freed = 0
+        demote = self.store is not None and self.store.has_host_tier
         while freed < num_tokens and self._lru:
-            _, entry = self._lru.popitem(last=False)
-            self._lru_tokens -= len(entry)
-            del self._entries[entry.key]
-            entry.alive = False
-            self.allocator.free(entry.slots)
+            entry = next(iter(self._lru.values()))
+            if demote:
+                self.store.demote(self._record(entry))
+            self._drop(entry)
             freed += len(entry)
             self.evictions += 1
         self.evicted_tokens += freed
         return freed
+
+    def _drop(self, entry: ChunkEntry) -> None:
+        """Take an unpinned complete entry out of the pool and free its slots."""
+        del self._lru[entry.key]
+        self._lru_tokens -= len(entry)
+        del self._entries[entry.key]
+        entry.alive = False
+        self.allocator.free(entry.slots)
 
     def clear(self) -> int:
         """Drop every entry no request is using; returns how many were dropped."""
@@ -230,6 +311,9 @@ class ChunkCache:
             repositioned_tokens=self.repositioned_tokens,
             recomputed_requests=self.recomputed_requests,
             recomputed_tokens=self.recomputed_tokens,
+            store_hits=self.store_hits, store_hit_tokens=self.store_hit_tokens,
+            store=self.store.stats() if self.store else (),
+            store_dropped_writes=self.store.dropped_writes if self.store else 0,
         )
 
     def check_integrity(self, pins: dict[int, int] | None = None) -> None:

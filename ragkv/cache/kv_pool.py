@@ -28,6 +28,35 @@ class KVPool:
         self.k = self.kv[0]
         self.v = self.kv[1]
 
+    def read(self, slots: list[int]) -> torch.Tensor:
+        """The K/V of `slots` as a CPU tensor [2, layers, len(slots), kv_heads, head_dim]."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
+        return self.kv.index_select(2, index).cpu()
+
+    def write(self, slots: list[int], kv: torch.Tensor) -> None:
+        """Put `kv` ([2, layers, len(slots), kv_heads, head_dim], any device) into `slots`."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
+        self.kv.index_copy_(2, index, kv.to(self.kv.device, non_blocking=True))
+
+    def release_memory(self) -> None:
+        """Free the pool's memory (LLM.sleep); every slot's contents are lost. The tensor
+        objects stay, so views held elsewhere remain the pool's."""
+        self.kv.untyped_storage().resize_(0)
+        if self.kv.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_memory(self) -> None:
+        """Allocate the pool's memory again after `release_memory` (contents undefined but
+        slot 0, which is zeroed)."""
+        storage = self.kv.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.kv.numel() * self.kv.element_size())
+            self.kv[:, :, 0].zero_()
+
+    @property
+    def released(self) -> bool:
+        return self.kv.untyped_storage().nbytes() == 0
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
+from ..cache.chunk_store import build_chunk_store
 from ..cache.kv_manager import KVCacheManager, SeqKV
 from ..cache.kv_pool import KVPool, SlotAllocator
 from ..cache.slot_table import SlotTable
@@ -106,9 +107,14 @@ class Engine:
         general_end = 1 + self.layout.general_tokens
         self.kv = KVCacheManager(SlotAllocator(1, general_end), config.enable_prefix_caching)
         self.chunk_cache = None
+        self.chunk_store = build_chunk_store(config.chunk_store,
+                                             pin_memory=self.device.type == "cuda")
         if config.enable_chunk_cache:
             region = SlotAllocator(general_end, self.layout.num_slots)
-            self.chunk_cache = ChunkCache(region, config.chunk_hash_algo)
+            self.chunk_cache = ChunkCache(region, config.chunk_hash_algo, self.chunk_store,
+                                          self.pool, checkpoint.fingerprint)
+        # Chunks offloaded by sleep(), restored into the pool by wake_up().
+        self._asleep: list | None = None
         debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
         self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching,
@@ -231,6 +237,8 @@ class Engine:
         `score_tokens=m` keeps the next-token log-probabilities after each of the last m
         prompt tokens (`RequestOutput.score_logprobs`); they must lie in the question of a
         RAG prompt, and are computed by the request itself, never read from a cache."""
+        if self._asleep is not None:
+            raise RuntimeError("the engine is asleep: call wake_up() before adding requests")
         params = self._check_params(params)
         parsed = self.process_prompt(prompt, params)
         token_ids = parsed.token_ids
@@ -251,9 +259,7 @@ class Engine:
         strategy, attention = self._layout_of(parsed)
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
-        namespace = f"{self._namespace}|attention={attention}|salt={parsed.cache_salt or ''}"
-        # A standalone chunk's KV does not depend on S: its key leaves S out.
-        system = tuple(parsed.system) if layout.sees_system else ()
+        namespace, system = self._chunk_scope(parsed, layout.sees_system)
         chunks = tuple(tuple(c) for c in parsed.chunks)
         repositioned = sum(b - a for a, b, _ in layout.rotations)
         recompute = self._recompute_of(parsed) if parsed.chunks else None
@@ -283,6 +289,67 @@ class Engine:
         for child in children:
             self.scheduler.add(child)
         return request_id
+
+    def _chunk_scope(self, parsed: ChunkedPrompt,
+                     sees_system: bool) -> tuple[str, tuple[int, ...]]:
+        """The chunk-cache namespace of a prompt's chunks and the system tokens their KV
+        depends on (none for standalone chunks, whose key leaves S out)."""
+        _, attention = self._layout_of(parsed)
+        namespace = f"{self._namespace}|attention={attention}|salt={parsed.cache_salt or ''}"
+        return namespace, tuple(parsed.system) if sees_system else ()
+
+    def chunk_keys(self, prompt: object) -> list[str]:
+        """Hex chunk-cache keys (the chunk store's keys) of a prompt's chunks, in order."""
+        parsed = self.process_prompt(prompt)
+        if self.chunk_cache is None or not parsed.chunks:
+            return []
+        strategy, attention = self._layout_of(parsed)
+        layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
+                                    strategy, attention)
+        namespace, system = self._chunk_scope(parsed, layout.sees_system)
+        return [self.chunk_cache.key(namespace, system, tuple(c)).hex() for c in parsed.chunks]
+
+    def sleep(self) -> None:
+        """Free the KV pool's memory (vLLM's `sleep`, level 1 for the KV cache; the weights
+        stay): cached chunks are offloaded to host memory first and come back with
+        `wake_up()`, the prefix cache is dropped. Refused while requests are unfinished."""
+        if self._asleep is not None:
+            return
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("sleep() with unfinished requests: let them finish or abort "
+                               "them first")
+        self._asleep = self.chunk_cache.offload() if self.chunk_cache is not None else []
+        self.reset_prefix_cache()
+        self.pool.release_memory()
+        logger.info("asleep: KV pool freed, %d cached chunks offloaded to host memory",
+                    len(self._asleep))
+
+    def wake_up(self) -> None:
+        """Allocate the KV pool again and put the chunks `sleep()` offloaded back into it."""
+        if self._asleep is None:
+            return
+        self.pool.restore_memory()
+        graphs = self.runner.graphs
+        if graphs is not None:  # captured graphs address the old pool memory
+            graphs.graphs.clear()
+            graphs.capture()
+        offloaded, self._asleep = self._asleep, None
+        for entry, record in offloaded:
+            self.chunk_cache.insert(entry.key, entry.namespace, entry.system, entry.tokens,
+                                    record.kv)
+
+    def is_sleeping(self) -> bool:
+        return self._asleep is not None
+
+    def flush_chunk_store(self) -> None:
+        """Wait until every chunk written through to the store's shared tiers has landed."""
+        if self.chunk_store is not None:
+            self.chunk_store.flush()
+
+    def close(self) -> None:
+        """Finish the chunk store's pending writes and close its connections."""
+        if self.chunk_store is not None:
+            self.chunk_store.close()
 
     def _select(self, req: Request) -> None:
         """Choose the chunk tokens `req` recomputes by its method's probe (its chunks' KV is

@@ -340,7 +340,7 @@ class Scheduler:
                 binding = ChunkBinding(entry, computing=False)
                 cache.pin(entry)
             else:
-                entry = cache.reserve(req.chunk_keys[i], req.system, tokens)
+                entry = cache.reserve(req.chunk_keys[i], req.system, tokens, req.namespace)
                 binding = ChunkBinding(entry, computing=True) if entry else None
             if binding is not None:
                 start = len(req.kv.slots)

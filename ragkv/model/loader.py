@@ -34,8 +34,9 @@ class Checkpoint:
 
     `format` is "hf" (`path` is the directory) or "gguf" (`path` is the .gguf file and `gguf`
     says where each tensor lives). `fingerprint` names the weights in chunk-cache namespaces: for
-    HF directories a hash of config.json and the weight files' names and sizes, for GGUF files
-    the file's content digest (file_digest.py; computed once, then remembered by size+mtime).
+    HF directories a hash of config.json and the weight files' names and content digests, for
+    GGUF files the file's content digest (file_digest.py; computed once, then remembered by
+    size+mtime).
     """
 
     path: str
@@ -114,9 +115,11 @@ def inspect_checkpoint(model: str) -> Checkpoint:
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     model_config = ModelConfig.from_hf(hf_config)
     weight_files = _weight_files(path)
+    # Over the weights' content (each file's digest is remembered by size and mtime), so two
+    # fine-tunes with equal file sizes never share chunk KV, in this process or a shared store.
     digest = hashlib.sha256(config_bytes)
     for name in weight_files:
-        digest.update(f"{os.path.basename(name)}:{os.path.getsize(name)}".encode())
+        digest.update(f"{os.path.basename(name)}:{file_digest(name)}".encode())
     return Checkpoint(
         path=path,
         model_config=model_config,

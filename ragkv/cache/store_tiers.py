@@ -1,0 +1,270 @@
+"""The chunk store's tiers: host memory, a directory on disk, Redis (chunk_store.py says the
+rules they keep)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from .chunk_format import ChunkMeta, ChunkRecord, CorruptChunkError, decode, encode
+from .chunk_store import ChunkStore
+
+logger = logging.getLogger("ragkv")
+
+_SUFFIX = ".ragkv-chunk"
+
+
+class HostChunkStore(ChunkStore):
+    """Records in host memory (pinned on CUDA machines, so loads into the pool are plain DMA),
+    at most `capacity_bytes`, least recently used dropped first. Not shared: it holds what the
+    pool evicted, and what `LLM.sleep()` offloads."""
+
+    name = "host"
+    shared = False
+
+    def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
+        super().__init__()
+        self.capacity_bytes = capacity_bytes
+        self.pin_memory = pin_memory
+        self._records: OrderedDict[str, ChunkRecord] = OrderedDict()
+        self._used = 0
+        self._guard = threading.Lock()
+
+    def get(self, key: str, expect: ChunkMeta) -> ChunkRecord | None:
+        start = time.perf_counter()
+        with self._guard:
+            record = self._records.get(key)
+            if record is not None:
+                self._records.move_to_end(key)
+        if record is None:
+            self._count(misses=1)
+            return None
+        if record.meta != expect:
+            raise CorruptChunkError("host entry describes another chunk")
+        self._count_load(time.perf_counter() - start, record.nbytes)
+        return record
+
+    def put(self, record: ChunkRecord) -> bool:
+        size = record.nbytes
+        if size > self.capacity_bytes:
+            return False
+        kv = record.kv.detach()
+        if kv.device.type != "cpu" or (self.pin_memory and not kv.is_pinned()):
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pin_memory)
+            kv = host.copy_(kv)
+        with self._guard:
+            if record.meta.key in self._records:
+                return False
+            while self._used + size > self.capacity_bytes:
+                _, old = self._records.popitem(last=False)
+                self._used -= old.nbytes
+            self._records[record.meta.key] = ChunkRecord(record.meta, kv)
+            self._used += size
+        self._count(writes=1, bytes_written=size)
+        return True
+
+    def contains(self, key: str) -> bool:
+        return key in self._records
+
+    def delete(self, key: str) -> None:
+        with self._guard:
+            record = self._records.pop(key, None)
+            if record is not None:
+                self._used -= record.nbytes
+
+    def _usage(self) -> tuple[int, int, int, bool]:
+        return len(self._records), self._used, self.capacity_bytes, True
+
+
+class DiskChunkStore(ChunkStore):
+    """One file per entry in `path`, at most `capacity_bytes` in all: the least recently used
+    files this process knows of are deleted first. Files are written to a temporary name and
+    renamed, so a reader (another replica on the same directory) never sees half an entry."""
+
+    name = "disk"
+
+    def __init__(self, path: str, capacity_bytes: int) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self.capacity_bytes = capacity_bytes
+        os.makedirs(self.path, exist_ok=True)
+        self._guard = threading.Lock()
+        # key -> file size, least recently used first (by modification time at start).
+        self._index: OrderedDict[str, int] = OrderedDict()
+        found = []
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(_SUFFIX) and entry.is_file():
+                st = entry.stat()
+                found.append((st.st_mtime_ns, entry.name[:-len(_SUFFIX)], st.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+        self._used = sum(self._index.values())
+        self._evict()
+
+    def _file(self, key: str) -> str:
+        if not key or not all(c in "0123456789abcdef" for c in key):
+            raise ValueError(f"chunk store key {key!r} is not a hex digest")
+        return os.path.join(self.path, key + _SUFFIX)
+
+    def get(self, key: str, expect: ChunkMeta) -> ChunkRecord | None:
+        start = time.perf_counter()
+        try:
+            with open(self._file(key), "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            self._count(misses=1)
+            with self._guard:
+                if self._index.pop(key, None) is not None:  # deleted by another process
+                    self._used = sum(self._index.values())
+            return None
+        except OSError as e:
+            self._count(errors=1, misses=1)
+            logger.warning("chunk store: cannot read %s: %s", self._file(key), e)
+            return None
+        record = decode(data, expect)
+        with self._guard:
+            if key not in self._index:  # written by another process on this directory
+                self._index[key] = len(data)
+                self._used += len(data)
+            self._index.move_to_end(key)
+        with contextlib.suppress(OSError):
+            os.utime(self._file(key))  # recency survives a restart
+        self._count_load(time.perf_counter() - start, len(data))
+        return record
+
+    def put(self, record: ChunkRecord) -> bool:
+        key = record.meta.key
+        target = self._file(key)
+        if key in self._index or os.path.exists(target):
+            return False
+        data = encode(record)
+        if len(data) > self.capacity_bytes:
+            return False
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=_SUFFIX + ".part", dir=self.path)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as e:
+            self._count(errors=1)
+            logger.warning("chunk store: cannot write %s: %s", target, e)
+            return False
+        with self._guard:
+            self._index[key] = len(data)
+            self._used += len(data)
+        self._count(writes=1, bytes_written=len(data))
+        self._evict()
+        return True
+
+    def contains(self, key: str) -> bool:
+        return key in self._index or os.path.exists(self._file(key))
+
+    def delete(self, key: str) -> None:
+        with self._guard:
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._used -= size
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._file(key))
+
+    def _evict(self) -> None:
+        while True:
+            with self._guard:
+                if self._used <= self.capacity_bytes or not self._index:
+                    return
+                key, size = self._index.popitem(last=False)
+                self._used -= size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._file(key))
+
+    def _usage(self) -> tuple[int, int, int, bool]:
+        return len(self._index), self._used, self.capacity_bytes, True
+
+
+class RedisChunkStore(ChunkStore):
+    """Entries as Redis values under `ragkv:chunk:<key>`, written with SET NX (write-once).
+
+    Every call has a timeout (`socket_timeout`, default 1 s; the URL's query may set it). A
+    failure marks the tier down for `retry_seconds`: meanwhile it answers as a miss without
+    trying, so a dead Redis costs one timeout, not one per chunk; the next call after that tries
+    again, and a success logs the reconnection."""
+
+    name = "redis"
+    prefix = "ragkv:chunk:"
+
+    def __init__(self, url: str, timeout_seconds: float = 1.0,
+                 retry_seconds: float = 2.0) -> None:
+        super().__init__()
+        try:
+            import redis
+        except ImportError as e:
+            raise ValueError("chunk_store: a redis:// tier needs the redis package "
+                             "(pip install 'ragkv[redis]')") from e
+        self.url = url
+        self.retry_seconds = retry_seconds
+        self._error_types = (redis.RedisError, OSError)
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_seconds,
+                                           socket_connect_timeout=timeout_seconds)
+        self.available = True
+        self._down_until = 0.0
+
+    def _call(self, method: str, *args, **kwargs):
+        """The client's answer, or None while the tier is down (errors counted, logged once
+        per outage)."""
+        if not self.available and time.monotonic() < self._down_until:
+            return None
+        try:
+            result = getattr(self.client, method)(*args, **kwargs)
+        except self._error_types as e:
+            self._count(errors=1)
+            if self.available:
+                logger.warning("chunk store: Redis at %s unavailable (%s); computing chunks "
+                               "locally, retrying every %.0f s", self.url, e,
+                               self.retry_seconds)
+            self.available = False
+            self._down_until = time.monotonic() + self.retry_seconds
+            return None
+        if not self.available:
+            logger.warning("chunk store: Redis at %s is back", self.url)
+            self.available = True
+        return result
+
+    def get(self, key: str, expect: ChunkMeta) -> ChunkRecord | None:
+        start = time.perf_counter()
+        data = self._call("get", self.prefix + key)
+        if data is None:
+            self._count(misses=1)
+            return None
+        record = decode(data, expect)
+        self._count_load(time.perf_counter() - start, len(data))
+        return record
+
+    def put(self, record: ChunkRecord) -> bool:
+        data = encode(record)
+        if not self._call("set", self.prefix + record.meta.key, data, nx=True):
+            return False
+        self._count(writes=1, bytes_written=len(data))
+        return True
+
+    def contains(self, key: str) -> bool:
+        return bool(self._call("exists", self.prefix + key))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", self.prefix + key)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _usage(self) -> tuple[int, int, int, bool]:
+        return -1, self.bytes_written, 0, self.available
