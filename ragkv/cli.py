@@ -1,4 +1,4 @@
-"""Command line: `ragkv serve | generate | bench | eval | demo`."""
+"""Command line: `ragkv serve | generate | bench | eval | demo | precompute`."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--max-chunk-tokens", type=int, default=4096)
     parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error")
     parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256")
+    parser.add_argument("--chunk-store", default=None,
+                        help="tiers behind the chunk cache, in order, comma-separated: "
+                             "host:SIZE, disk:PATH:SIZE, redis://HOST:PORT/DB (e.g. "
+                             "host:8GiB,disk:/var/cache/ragkv:50GiB,redis://127.0.0.1:6379/0)")
     parser.add_argument("--position-strategy", choices=list(POSITION_STRATEGIES),
                         default="shared",
                         help="default RAG layout: chunks share the positions after the system "
@@ -202,6 +206,26 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _precompute(args: argparse.Namespace) -> int:
+    import logging
+
+    from .llm import LLM
+    from .precompute import precompute, read_documents
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if not args.chunk_store:
+        raise ValueError("precompute needs --store (a disk:PATH:SIZE or redis:// tier)")
+    documents = read_documents(args.documents)
+    llm = LLM(args.model, **engine_kwargs(args))
+    try:
+        summary = precompute(llm, documents, args.system, args.prompt_format, args.cache_salt,
+                             args.batch_size, progress=not args.no_progress)
+    finally:
+        llm.engine.close()
+    print(summary.format())
+    return 1 if summary.failed or summary.store_errors else 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -289,6 +313,25 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--plot", default=None, help="accuracy and gold likelihood as a PNG")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=_eval)
+
+    pre = sub.add_parser("precompute", help="compute a corpus's chunk KV into the chunk store",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(pre)
+    pre.add_argument("--documents", required=True,
+                     help="corpus file: one JSON object {\"id\", \"text\"} per line")
+    pre.add_argument("--system", default="",
+                     help="the system prompt the served requests will have")
+    pre.add_argument("--store", dest="chunk_store", default=None,
+                     help="the chunk store to fill (same syntax as --chunk-store)")
+    pre.add_argument("--prompt-format", choices=["chat", "text"], default="chat",
+                     help="chat: documents as /v1/chat/completions places them (the model's "
+                          "chat template around the system message); text: the separator / "
+                          "RAGPrompt form (system text, then the document)")
+    pre.add_argument("--cache-salt", default=None,
+                     help="the cache_salt the served requests will carry")
+    pre.add_argument("--batch-size", type=int, default=16, help="documents per engine batch")
+    pre.add_argument("--no-progress", action="store_true")
+    pre.set_defaults(func=_precompute)
 
     gen = sub.add_parser("generate", help="generate completions for prompts offline",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -1,13 +1,17 @@
 """Prometheus metrics, named in vLLM's style with the `ragkv:` prefix.
 
 Counters follow the engine's cumulative statistics (updated after every step from their
-deltas); latency histograms are observed as tokens arrive. Each server owns its registry.
+deltas); latency histograms are observed as tokens arrive. The chunk store's per-tier figures
+(`ragkv:chunk_store_*`, label `tier`) are read from the tiers at scrape time: its writer thread
+moves them between steps. Each server owns its registry.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ..cache.chunk_store import LOAD_BUCKETS, TieredChunkStore
 from ..engine.engine import Engine
 from ..outputs import RequestOutput
 
@@ -18,8 +22,10 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3,
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, chunk_store: TieredChunkStore | None = None) -> None:
         self.registry = CollectorRegistry()
+        if chunk_store is not None:
+            self.registry.register(_ChunkStoreCollector(model_name, chunk_store))
         labels = ["model_name"]
 
         def counter(name: str, doc: str) -> Counter:
@@ -116,3 +122,65 @@ class Metrics:
         if delta > 0:
             counter.inc(delta)
         self._totals[key] = total
+
+
+# (metric name without prefix, TierStats field, help) of the per-tier counters.
+_STORE_COUNTERS = (
+    ("hits", "hits", "Chunk-store lookups this tier answered with a usable entry."),
+    ("misses", "misses", "Chunk-store lookups this tier did not hold (or could not reach)."),
+    ("read_bytes", "bytes_read", "Bytes of chunk entries read from this tier."),
+    ("written_bytes", "bytes_written", "Bytes of chunk entries written to this tier."),
+    ("corrupt_entries", "corrupt",
+     "Entries found damaged or foreign (checksum, shape, model, truncation): deleted and "
+     "recomputed, never served."),
+    ("errors", "errors", "Backend failures of this tier (timeouts, refused connections); the "
+     "engine computed the chunks itself."),
+)
+
+
+class _ChunkStoreCollector:
+    """The chunk store's tiers as Prometheus families, read at scrape time."""
+
+    def __init__(self, model_name: str, store: TieredChunkStore) -> None:
+        self.model_name = model_name
+        self.store = store
+
+    def describe(self):
+        return []  # families are only known when collected; nothing to pre-register
+
+    def collect(self):
+        labels = ["model_name", "tier"]
+        tiers = self.store.stats()
+        for name, field, doc in _STORE_COUNTERS:
+            family = CounterMetricFamily(f"ragkv:chunk_store_{name}", doc, labels=labels)
+            for t in tiers:
+                family.add_metric([self.model_name, t.name], getattr(t, field))
+            yield family
+        available = GaugeMetricFamily(
+            "ragkv:chunk_store_available", "1 if the tier's backend is reachable, else 0.",
+            labels=labels)
+        used = GaugeMetricFamily("ragkv:chunk_store_used_bytes",
+                                 "Bytes this tier holds (Redis: bytes this replica wrote).",
+                                 labels=labels)
+        for t in tiers:
+            available.add_metric([self.model_name, t.name], 1.0 if t.available else 0.0)
+            used.add_metric([self.model_name, t.name], t.used_bytes)
+        yield available
+        yield used
+        loads = HistogramMetricFamily(
+            "ragkv:chunk_store_load_seconds",
+            "Time to read and verify one chunk entry from a tier (hits only).", labels=labels)
+        for t in tiers:
+            cumulative, buckets = 0, []
+            for bound, count in zip(LOAD_BUCKETS, t.load_buckets, strict=True):
+                cumulative += count
+                buckets.append((str(bound), cumulative))
+            buckets.append(("+Inf", t.loads))
+            loads.add_metric([self.model_name, t.name], buckets, t.load_seconds)
+        yield loads
+        dropped = CounterMetricFamily(
+            "ragkv:chunk_store_dropped_writes",
+            "Chunk writes to the shared tiers dropped because the writer fell behind.",
+            labels=["model_name"])
+        dropped.add_metric([self.model_name], self.store.dropped_writes)
+        yield dropped

@@ -26,7 +26,7 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     server = replace(server, model_name=server.model_name or config.model,
                      api_key=server.api_key or os.environ.get("RAGKV_API_KEY") or None)
     engine = Engine(config)
-    metrics = Metrics(server.model_name)
+    metrics = Metrics(server.model_name, engine.chunk_store)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
     app = build_app(async_engine, metrics, server)
     async_engine.start()
@@ -38,6 +38,7 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
                     limit_concurrency=limit_concurrency)
     finally:
         async_engine.stop()
+        engine.close()  # pending chunk-store writes land before the process exits
 
 
 def _timed_h11(header_timeout_s: float):

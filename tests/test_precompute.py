@@ -1,0 +1,188 @@
+"""`ragkv precompute` fills the chunk store for a system prompt; a later engine or server on the
+same store serves every chunk of the corpus as a hit, with the one-pass reference's tokens. Bad
+corpora and settings get precise errors."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+from conftest import running_server, server_wait_idle
+from reference import layout_reference, reference_greedy
+
+from ragkv import LLM, SamplingParams
+
+SYSTEM = "You answer questions from the documents."
+TEXTS = [f"Document {i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(12 + 3 * i))
+         for i in range(4)]
+
+
+def write_corpus(path, texts=TEXTS) -> str:
+    with open(path, "w") as f:
+        for i, text in enumerate(texts):
+            f.write(json.dumps({"id": f"doc-{i}", "text": text}) + "\n")
+    return str(path)
+
+
+def precompute(model: str, corpus: str, store: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ragkv.cli", "precompute", "--model", model, "--documents",
+         corpus, "--system", SYSTEM, "--store", store, "--no-progress", "--batch-size", "3",
+         *args],
+        capture_output=True, text=True, timeout=300)
+
+
+def summary_field(stdout: str, name: str) -> int:
+    m = re.search(rf"^\s*{name}\s+(\d+)", stdout, re.MULTILINE)
+    assert m, stdout
+    return int(m.group(1))
+
+
+def chat(documents: list[str], question: str = "Which document mentions w3?") -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint, hf_model):
+    path = checkpoint("llama")
+    return path, hf_model(path)
+
+
+def test_precompute_then_serve_every_chunk_hits(llama, tmp_path):
+    path, hf = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    store = f"disk:{tmp_path / 'store'}:1GiB"
+    first = precompute(path, corpus, store)
+    assert first.returncode == 0, first.stderr
+    assert summary_field(first.stdout, "documents") == 4
+    assert summary_field(first.stdout, "computed") == 4
+    assert summary_field(first.stdout, "skipped") == 0
+    assert summary_field(first.stdout, "bytes written") > 0
+    assert len(list((tmp_path / "store").iterdir())) == 4
+    # Resumable: a second run finds everything stored.
+    again = precompute(path, corpus, store)
+    assert again.returncode == 0, again.stderr
+    assert summary_field(again.stdout, "computed") == 0
+    assert summary_field(again.stdout, "skipped") == 4
+
+    # A fresh engine serving the corpus (other orders, other questions): every chunk is a
+    # store hit, and greedy tokens equal the one-pass reference.
+    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    # Chunks met for the first time come from the store, the others from the pool.
+    for docs, question, from_store in (([TEXTS[2], TEXTS[0]], "What is w5?", 2),
+                                       (TEXTS[::-1], "And w9?", 2)):
+        prompt = llm.engine.process_chat(chat(docs, question), documents=docs)
+        before = llm.get_chunk_cache_stats()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        after = llm.get_chunk_cache_stats()
+        assert out.metrics.num_chunk_misses == 0
+        assert out.metrics.num_chunk_hits == len(docs)
+        assert after.store_hits - before.store_hits == from_store
+        ids, positions, visible, hidden = layout_reference(prompt.system, prompt.chunks,
+                                                           prompt.question)
+        want, _ = reference_greedy(hf, ids, positions, visible, 4, hidden=hidden)
+        assert out.outputs[0].token_ids == want
+        llm.check_integrity()
+    assert llm.get_chunk_cache_stats().store_hits == 4
+    llm.engine.close()
+
+
+def test_precompute_text_format_and_salt_match_separator_prompts(llama, tmp_path):
+    path, _ = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl", TEXTS[:2])
+    store = f"disk:{tmp_path / 'store'}:1GiB"
+    done = precompute(path, corpus, store, "--prompt-format", "text", "--cache-salt", "t1")
+    assert done.returncode == 0, done.stderr
+    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    text = SYSTEM + "##" + TEXTS[1] + "##" + TEXTS[0] + "##What is w1?"
+    salted = llm.generate([{"prompt": text, "cache_salt": "t1"}], params, use_tqdm=False)[0]
+    assert (salted.metrics.num_chunk_hits, salted.metrics.num_chunk_misses) == (2, 0)
+    # Another tenant's salt never sees those entries.
+    other = llm.generate([{"prompt": text, "cache_salt": "t2"}], params, use_tqdm=False)[0]
+    assert (other.metrics.num_chunk_hits, other.metrics.num_chunk_misses) == (0, 2)
+    assert other.outputs[0].token_ids == salted.outputs[0].token_ids
+    llm.check_integrity()
+    llm.engine.close()
+
+
+def test_precompute_errors(llama, tmp_path):
+    path, _ = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    disk = f"disk:{tmp_path / 'store'}:1GiB"
+    cases = [
+        (["--store", "host:1GiB"], "shared tiers: give a disk or redis"),
+        (["--store", "nfs:/x"], "unknown tier 'nfs:/x'"),
+    ]
+    for args, message in cases:
+        r = subprocess.run([sys.executable, "-m", "ragkv.cli", "precompute", "--model", path,
+                            "--documents", corpus, "--no-progress", *args],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "ragkv.cli", "precompute", "--model", path,
+                        "--documents", corpus], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "needs --store" in r.stderr, r.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "text": "fine"}\n\nnot json\n')
+    r = precompute(path, str(bad), disk)
+    assert r.returncode == 2 and "bad.jsonl:3: not JSON" in r.stderr, r.stderr
+    bad.write_text('{"id": "a", "text": "fine"}\n{"id": "a", "text": "again"}\n')
+    r = precompute(path, str(bad), disk)
+    assert r.returncode == 2 and "duplicate id 'a'" in r.stderr, r.stderr
+    bad.write_text('{"id": "a", "body": "no text"}\n')
+    r = precompute(path, str(bad), disk)
+    assert r.returncode == 2 and "expected an object with a string 'text'" in r.stderr
+
+    # A document over max_chunk_tokens fails alone, named; the others are stored.
+    long = write_corpus(tmp_path / "long.jsonl", [TEXTS[0], " ".join(["w1"] * 200)])
+    r = precompute(path, long, disk, "--max-chunk-tokens", "64")
+    assert r.returncode == 1, r.stderr
+    assert summary_field(r.stdout, "computed") == 1
+    assert summary_field(r.stdout, "failed") == 1
+    assert "failed doc-1: a chunk has" in r.stdout
+
+
+def test_replicas_share_redis_precomputed_corpus_with_metrics(llama, tmp_path, redis_server):
+    """Precompute into Redis; a `ragkv serve` replica on the same Redis serves a chat request
+    over the corpus with every chunk a Redis hit, visible in /metrics."""
+    path, hf = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    done = precompute(path, corpus, redis_server.url)
+    assert done.returncode == 0, done.stderr
+    assert summary_field(done.stdout, "computed") == 4
+    llm = LLM(path, kv_cache_tokens=2048)  # no store: the expected tokens
+    docs = [TEXTS[3], TEXTS[1], TEXTS[0]]
+    prompt = llm.engine.process_chat(chat(docs), documents=docs)
+    ids, positions, visible, hidden = layout_reference(prompt.system, prompt.chunks,
+                                                       prompt.question)
+    want, _ = reference_greedy(hf, ids, positions, visible, 3, hidden=hidden)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids == want
+    with running_server(path, "--chunk-store", redis_server.url) as base:
+        r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "model": path, "messages": chat(docs), "documents": docs, "max_tokens": 3,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == expected.text
+        server_wait_idle(base, None)
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+
+    def value(name: str, tier: str = "redis") -> float:
+        m = re.search(rf'^{re.escape(name)}{{model_name="[^"]*",tier="{tier}"}} (\S+)$',
+                      metrics, re.MULTILINE)
+        assert m, name
+        return float(m.group(1))
+
+    assert value("ragkv:chunk_store_hits_total") == 3
+    assert value("ragkv:chunk_store_misses_total") == 0
+    assert value("ragkv:chunk_store_corrupt_entries_total") == 0
+    assert value("ragkv:chunk_store_available") == 1
+    assert value("ragkv:chunk_store_read_bytes_total") > 0
+    assert value("ragkv:chunk_store_load_seconds_count") == 3
