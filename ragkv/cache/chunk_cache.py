@@ -232,8 +232,8 @@ class ChunkCache:
               tokens: tuple[int, ...]) -> ChunkEntry | None:
         """Promote the chunk from the store into the pool: a complete, unpinned entry, or None
         (not stored, or no room in the region)."""
-        if self.allocator is None or len(tokens) > self.allocator.capacity:
-            return None
+        if self.allocator is None or len(tokens) - self.allocator.num_free > self._lru_tokens:
+            return None  # no room even after evicting every unused entry: do not read it
         found = self.store.get(self._meta(key, namespace, system, tokens))
         if found is None:
             return None
@@ -272,9 +272,11 @@ class ChunkCache:
         self._orphans.append(entry)
         self.unpin(entry)
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, demote: bool = True) -> int:
+        """Free at least `num_tokens` slots, least recently used entries first (demoted to the
+        host tier when there is one and `demote`); returns the tokens freed."""
         freed = 0
-        demote = self.store is not None and self.store.has_host_tier
+        demote = demote and self.store is not None and self.store.has_host_tier
         while freed < num_tokens and self._lru:
             entry = next(iter(self._lru.values()))
             if demote:
@@ -294,9 +296,13 @@ class ChunkCache:
         self.allocator.free(entry.slots)
 
     def clear(self) -> int:
-        """Drop every entry no request is using; returns how many were dropped."""
+        """Drop every entry no request is using, and the host tier's copies (this process's
+        memory); returns how many pool entries were dropped. Shared tiers (disk, Redis) keep
+        theirs: other replicas use them."""
         n = len(self._lru)
-        self.evict(self._lru_tokens)
+        self.evict(self._lru_tokens, demote=False)
+        if self.store is not None:
+            self.store.clear_host()
         return n
 
     def stats(self) -> ChunkCacheStats:

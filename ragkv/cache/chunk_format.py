@@ -127,7 +127,8 @@ def decode(data: bytes | bytearray | memoryview, expect: ChunkMeta) -> ChunkReco
         if header.get(name) != getattr(expect, name):
             raise CorruptChunkError(f"{name} mismatch: entry has {header.get(name)!r}, "
                                     f"expected {getattr(expect, name)!r}")
-    if tuple(header.get("shape") or ()) != expect.shape:
+    shape = header.get("shape")
+    if not isinstance(shape, list) or tuple(shape) != expect.shape:
         raise CorruptChunkError(f"shape mismatch: entry has {header.get('shape')}, expected "
                                 f"{list(expect.shape)}")
     payload = expect.payload_bytes

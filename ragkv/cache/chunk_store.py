@@ -20,10 +20,12 @@ to the host tier.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import re
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -136,6 +138,9 @@ class TieredChunkStore:
         self.dropped_writes = 0
         self._pending: queue.Queue = queue.Queue(MAX_PENDING_WRITES)
         self._writer: threading.Thread | None = None
+        # The writer is a daemon thread: a script that ends without close() would lose the
+        # writes still queued, so they are flushed at exit (daemon threads still run then).
+        atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
     def has_host_tier(self) -> bool:
@@ -184,6 +189,12 @@ class TieredChunkStore:
         for tier in self.tiers:
             tier.delete(key)
 
+    def clear_host(self) -> None:
+        """Drop every entry of the host tiers (the shared ones are left to their owners)."""
+        for tier in self.tiers:
+            if not tier.shared:
+                tier.clear()
+
     def flush(self) -> None:
         """Wait until every queued write has reached its tier."""
         self._pending.join()
@@ -219,6 +230,12 @@ class TieredChunkStore:
                 self._pending.task_done()
 
 
+def _flush_at_exit(ref: weakref.ref) -> None:
+    store = ref()
+    if store is not None and store._writer is not None:
+        store.flush()
+
+
 def parse_size(text: str) -> int:
     """Bytes in "8GiB", "500MB", "1048576"."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -252,10 +269,12 @@ def build_chunk_store(spec: str | None, pin_memory: bool = False) -> TieredChunk
 
 
 def _tier_specs(spec: str | None) -> list[tuple[str, tuple]]:
-    if spec is None or not spec.strip():
+    if spec is None:
         return []
     if not isinstance(spec, str):
         raise ValueError(f"chunk_store must be a string, got {spec!r}")
+    if not spec.strip():
+        return []
     out: list[tuple[str, tuple]] = []
     for part in (p.strip() for p in spec.split(",")):
         if part.startswith(("redis://", "rediss://", "unix://")):

@@ -24,7 +24,7 @@ _SUFFIX = ".ragkv-chunk"
 class HostChunkStore(ChunkStore):
     """Records in host memory (pinned on CUDA machines, so loads into the pool are plain DMA),
     at most `capacity_bytes`, least recently used dropped first. Not shared: it holds what the
-    pool evicted, and what `LLM.sleep()` offloads."""
+    pool evicted (`LLM.sleep()` keeps the chunks it offloads apart, whatever the tiers)."""
 
     name = "host"
     shared = False
@@ -73,6 +73,11 @@ class HostChunkStore(ChunkStore):
     def contains(self, key: str) -> bool:
         return key in self._records
 
+    def clear(self) -> None:
+        with self._guard:
+            self._records.clear()
+            self._used = 0
+
     def delete(self, key: str) -> None:
         with self._guard:
             record = self._records.pop(key, None)
@@ -94,15 +99,19 @@ class DiskChunkStore(ChunkStore):
         super().__init__()
         self.path = os.path.abspath(os.path.expanduser(path))
         self.capacity_bytes = capacity_bytes
-        os.makedirs(self.path, exist_ok=True)
         self._guard = threading.Lock()
         # key -> file size, least recently used first (by modification time at start).
         self._index: OrderedDict[str, int] = OrderedDict()
         found = []
-        for entry in os.scandir(self.path):
-            if entry.name.endswith(_SUFFIX) and entry.is_file():
-                st = entry.stat()
-                found.append((st.st_mtime_ns, entry.name[:-len(_SUFFIX)], st.st_size))
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            for entry in os.scandir(self.path):
+                if entry.name.endswith(_SUFFIX) and entry.is_file():
+                    st = entry.stat()
+                    found.append((st.st_mtime_ns, entry.name[:-len(_SUFFIX)], st.st_size))
+        except OSError as e:
+            raise ValueError(f"chunk_store: cannot use {self.path} as a disk tier: "
+                             f"{e.strerror or e}") from e
         for _, key, size in sorted(found):
             self._index[key] = size
         self._used = sum(self._index.values())
