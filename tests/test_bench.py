@@ -123,3 +123,52 @@ def test_recompute_bench_and_curve_scripts(tmp_path):
     rows = [line for line in r.stdout.splitlines() if line.startswith("| blend")]
     assert [row.split("|")[2].strip() for row in rows] == ["0", "0.5", "1"]
     assert "| 100% |" in rows[-1]  # r = 1 closes the whole gap
+
+
+def test_store_bench_script(tmp_path):
+    """benchmarks/bench_store.py times a chunk served from each tier against computing it, and
+    a second replica (a fresh process) serves every chunk of a corpus the first precomputed
+    from the shared store, while a cold replica computes them all."""
+    import os
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with_redis = shutil.which("redis-server") is not None
+    if not with_redis and os.environ.get("RAGKV_REQUIRE_REDIS") == "1":
+        pytest.fail("redis-server is not installed and RAGKV_REQUIRE_REDIS=1")
+    out = tmp_path / "store.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_store.py"), "--model",
+         "builtin:tiny", "--chunk-tokens", "32", "--doc-tokens", "24", "--num-docs", "2",
+         "--docs-per-request", "1", "--num-requests", "2", "--system-tokens", "8",
+         "--question-tokens", "4", "--repeats", "1", "--json", str(out),
+         *([] if with_redis else ["--no-redis"])], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["redis"] is with_redis
+    lvr = res["load_vs_recompute"]
+    tiers = ["host", "disk", "redis"] if with_redis else ["host", "disk"]
+    assert list(lvr["tiers"]) == tiers
+    assert lvr["bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # tiny: 2 layers, 2 KV heads x 16, fp32
+    assert lvr["payload_bytes"] == 32 * lvr["bytes_per_token"]
+    assert lvr["recompute_ttft_s"] > 0 and lvr["pool_ttft_s"] > 0
+    for tier in tiers:
+        f = lvr["tiers"][tier]
+        assert f["ttft_s"] > 0 and f["get_s"] > 0 and len(f["ttfts_s"]) == 1
+        assert f["speedup_over_recompute"] == pytest.approx(lvr["recompute_ttft_s"] / f["ttft_s"])
+        # The host tier keeps the tensor; disk and Redis add the header and checksum.
+        assert f["header_bytes"] == 0 if tier == "host" else 0 < f["header_bytes"] < 4096
+    rep = res["replicas"]
+    assert rep["store"] == ("redis" if with_redis else "disk")
+    assert rep["chunk_occurrences"] == rep["distinct_docs"] == 2
+    assert rep["precompute_entries_written"] == 2
+    warm, cold = rep["warm"], rep["cold"]
+    # Replica 2 computes no chunk: each was precomputed by replica 1 and read from the store.
+    assert warm["chunk_lookups"] == warm["chunk_hits"] == warm["store_hits"] == 2
+    assert warm["chunk_misses"] == 0 and warm["store_hit_tokens"] == 2 * 24
+    assert warm["store_loads"] == 2 and warm["store_load_s"] > 0
+    assert warm["store_errors"] == warm["store_corrupt"] == 0
+    assert cold["chunk_misses"] == 2 and cold["chunk_hits"] == cold["store_hits"] == 0
+    for run in (warm, cold):
+        assert len(run["ttfts_s"]) == 2 and all(t > 0 for t in run["ttfts_s"])
+    assert rep["cold_over_warm_mean"] == pytest.approx(cold["ttft_mean_s"] / warm["ttft_mean_s"])

@@ -475,6 +475,33 @@ def test_redis_tier_uses_write_once_values(redis_server):
     tier.close()
 
 
+def test_redis_refusals_are_failed_writes_not_outages(redis_server):
+    """A full Redis (noeviction) or a value over its size limit fails the write alone: the
+    tier stays up and keeps serving reads."""
+    import redis
+
+    tier = RedisChunkStore(redis_server.url)
+    a, b = tier_record(1), tier_record(2)
+    assert tier.put(a)
+    client = redis.Redis.from_url(redis_server.url)
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", client.info("memory")["used_memory"] + 1)
+    assert tier.put(b) is False
+    stats = tier.stats()
+    assert (stats.errors, stats.writes, stats.available) == (1, 1, True)
+    assert torch.equal(tier.get(a.meta.key, a.meta).kv, a.kv)  # reads still served
+    client.config_set("maxmemory", 0)
+    tier.max_value_bytes = len(encode(b)) - 1
+    assert tier.put(b) is False
+    stats = tier.stats()
+    assert (stats.errors, stats.writes, stats.available) == (2, 1, True)
+    assert not tier.contains(b.meta.key)
+    tier.max_value_bytes = len(encode(b))
+    assert tier.put(b) and tier.stats().writes == 2
+    client.close()
+    tier.close()
+
+
 def test_tiered_store_skips_damaged_entries_and_repairs_earlier_tiers(tmp_path):
     first, second = RawDisk(str(tmp_path / "a")), RawDisk(str(tmp_path / "b"))
     tiers = [DiskChunkStore(first.path, 1 << 20), DiskChunkStore(second.path, 1 << 20)]

@@ -207,10 +207,13 @@ class RedisChunkStore(ChunkStore):
     Every call has a timeout (`socket_timeout`, default 1 s; the URL's query may set it). A
     failure marks the tier down for `retry_seconds`: meanwhile it answers as a miss without
     trying, so a dead Redis costs one timeout, not one per chunk; the next call after that tries
-    again, and a success logs the reconnection."""
+    again, and a success logs the reconnection. A command Redis refuses (out of memory under
+    `noeviction`, a value over its size limit) is a failed call, not an outage: counted, logged
+    once per kind of refusal, and the tier stays up for reads."""
 
     name = "redis"
     prefix = "ragkv:chunk:"
+    max_value_bytes = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
 
     def __init__(self, url: str, timeout_seconds: float = 1.0,
                  retry_seconds: float = 2.0) -> None:
@@ -223,6 +226,8 @@ class RedisChunkStore(ChunkStore):
         self.url = url
         self.retry_seconds = retry_seconds
         self._error_types = (redis.RedisError, OSError)
+        self._refusal_type = redis.ResponseError
+        self._refusals_logged: set[str] = set()
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_seconds,
                                            socket_connect_timeout=timeout_seconds)
         self.available = True
@@ -235,6 +240,14 @@ class RedisChunkStore(ChunkStore):
             return None
         try:
             result = getattr(self.client, method)(*args, **kwargs)
+        except self._refusal_type as e:
+            self._count(errors=1)
+            kind = str(e).split(" ", 1)[0]
+            if kind not in self._refusals_logged:
+                self._refusals_logged.add(kind)
+                logger.warning("chunk store: Redis at %s refused %s (%s); the chunk stays "
+                               "local", self.url, method.upper(), e)
+            return None
         except self._error_types as e:
             self._count(errors=1)
             if self.available:
@@ -261,6 +274,17 @@ class RedisChunkStore(ChunkStore):
 
     def put(self, record: ChunkRecord) -> bool:
         data = encode(record)
+        if len(data) > self.max_value_bytes:
+            # Redis drops the connection on a value over proto-max-bulk-len (512 MiB by
+            # default): refuse it here instead of taking the tier down.
+            self._count(errors=1)
+            if "too-large" not in self._refusals_logged:
+                self._refusals_logged.add("too-large")
+                logger.warning("chunk store: a %d-byte entry exceeds Redis' value limit of %d "
+                               "bytes; such chunks stay local (smaller max_chunk_tokens, or "
+                               "raise proto-max-bulk-len and max_value_bytes)", len(data),
+                               self.max_value_bytes)
+            return False
         if not self._call("set", self.prefix + record.meta.key, data, nx=True):
             return False
         self._count(writes=1, bytes_written=len(data))
