@@ -230,6 +230,28 @@ def test_format_stores_hashes_not_secrets():
     assert header["shape"] == [2, 2, 4, 2, 8] and header["dtype"] == "float32"
 
 
+def test_cpu_readers_wait_for_an_asynchronous_copy(tmp_path):
+    """A record filled by an asynchronous device-to-host copy (KVPool.read on CUDA) carries an
+    event: encoding it (disk, Redis, a backfill) waits for the event first; the host tier keeps
+    the event with the record. (On CUDA the real path runs in test_gpu.py.)"""
+    order: list[str] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            order.append("synchronized")
+
+    base = make_record(seed=3)
+    record = ChunkRecord(base.meta, base.kv, Event())
+    assert record == base  # the event is not part of the record's identity
+    data = encode(record)
+    assert order == ["synchronized"] and data == encode(base)
+    host = HostChunkStore(1 << 20)
+    assert host.put(record)
+    assert host.get(base.meta.key, base.meta).ready is record.ready
+    disk = DiskChunkStore(str(tmp_path), 1 << 20)
+    assert disk.put(record) and order == ["synchronized"] * 2
+
+
 def test_encode_refuses_a_tensor_unlike_its_header():
     meta = make_meta()
     with pytest.raises(ValueError, match="does not match its header"):

@@ -61,3 +61,38 @@ def test_graph_replay_equals_eager_decode(checkpoint):
         llm.check_integrity()
     for a, b in zip(*outs, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_chunk_store_on_cuda(checkpoint, tmp_path):
+    """The chunk store on CUDA: device-to-host copies are asynchronous (pinned memory, an event
+    per record), chunks demoted to the host tier and read back from disk by a second engine,
+    and sleep/wake, all give the tokens of the same engine without a store."""
+    path = checkpoint("llama")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_tokens=4096)
+    prompts = _prompts()
+    want = [o.outputs[0].token_ids
+            for o in LLM(path, **kwargs).generate(prompts, params, use_tqdm=False)]
+    disk = f"disk:{tmp_path}:1GiB"
+    # A chunk region smaller than the documents: evictions demote chunks to the host tier.
+    first = LLM(path, **kwargs, chunk_cache_tokens=200, chunk_store=f"host:256MiB,{disk}")
+    for _ in range(2):
+        got = first.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        first.check_integrity()
+    stats = first.get_chunk_cache_stats()
+    assert stats.evictions > 0 and stats.store_hits > 0
+    first.engine.flush_chunk_store()
+    first.sleep()
+    first.wake_up()
+    got = first.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    first.check_integrity()
+    first.engine.close()
+
+    second = LLM(path, **kwargs, chunk_store=disk)
+    got = second.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert second.get_chunk_cache_stats().store_hits == 4  # every distinct document, from disk
+    second.check_integrity()
+    second.engine.close()

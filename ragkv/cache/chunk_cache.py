@@ -225,8 +225,9 @@ class ChunkCache:
                                   (layers, heads, dim))
 
     def _record(self, entry: ChunkEntry) -> ChunkRecord:
+        kv, ready = self.pool.read(entry.slots)
         return ChunkRecord(self._meta(entry.key, entry.namespace, entry.system, entry.tokens),
-                           self.pool.read(entry.slots))
+                           kv, ready)
 
     def _load(self, key: bytes, namespace: str, system: tuple[int, ...],
               tokens: tuple[int, ...]) -> ChunkEntry | None:

@@ -24,7 +24,7 @@ import struct
 import warnings
 import zlib
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -80,14 +80,23 @@ class ChunkMeta:
 
 @dataclass(frozen=True, slots=True)
 class ChunkRecord:
-    """A chunk's KV off the pool: `kv` is a CPU tensor of `meta.shape` and `meta.dtype`."""
+    """A chunk's KV off the pool: `kv` is a CPU tensor of `meta.shape` and `meta.dtype`.
+    `ready` (a CUDA event, or None) marks the end of the asynchronous copy that fills `kv`
+    (KVPool.read): CPU readers call `wait()` first; GPU work on the copy's stream need not."""
 
     meta: ChunkMeta
     kv: torch.Tensor
+    ready: object | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+    def wait(self) -> torch.Tensor:
+        """`kv`, once its copy has landed."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.kv
 
 
 def encode(record: ChunkRecord) -> bytes:
@@ -97,7 +106,7 @@ def encode(record: ChunkRecord) -> bytes:
                          "system": meta.system, "tokens": meta.tokens,
                          "shape": list(meta.shape), "payload_bytes": meta.payload_bytes,
                          "checksum": "crc32"}, separators=(",", ":")).encode()
-    kv = record.kv.detach().to("cpu").contiguous()
+    kv = record.wait().detach().to("cpu").contiguous()
     if tuple(kv.shape) != meta.shape or kv.dtype != _DTYPES[meta.dtype]:
         raise ValueError(f"chunk record: tensor {tuple(kv.shape)} {kv.dtype} does not match "
                          f"its header {meta.shape} {meta.dtype}")

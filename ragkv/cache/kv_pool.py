@@ -28,10 +28,23 @@ class KVPool:
         self.k = self.kv[0]
         self.v = self.kv[1]
 
-    def read(self, slots: list[int]) -> torch.Tensor:
-        """The K/V of `slots` as a CPU tensor [2, layers, len(slots), kv_heads, head_dim]."""
+    def read(self, slots: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The K/V of `slots` as a CPU tensor [2, layers, len(slots), kv_heads, head_dim], and
+        None, or on CUDA an event after which it holds them: the copy goes into pinned memory
+        on the compute stream without a host sync, so the engine thread does not wait for it.
+        Anything on that stream (a later write back into the pool) is ordered after it; a CPU
+        reader must wait for the event (ChunkRecord.wait)."""
         index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
-        return self.kv.index_select(2, index).cpu()
+        gathered = self.kv.index_select(2, index)
+        if self.kv.device.type != "cuda":
+            return gathered, None
+        host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        host.copy_(gathered, non_blocking=True)
+        # `gathered` may be freed now: the caching allocator reuses its memory only for work
+        # queued on this stream after the copy.
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def write(self, slots: list[int], kv: torch.Tensor) -> None:
         """Put `kv` ([2, layers, len(slots), kv_heads, head_dim], any device) into `slots`."""

@@ -58,14 +58,16 @@ class HostChunkStore(ChunkStore):
         kv = record.kv.detach()
         if kv.device.type != "cpu" or (self.pin_memory and not kv.is_pinned()):
             host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=self.pin_memory)
-            kv = host.copy_(kv)
+            record = ChunkRecord(record.meta, host.copy_(record.wait()))
         with self._guard:
             if record.meta.key in self._records:
                 return False
             while self._used + size > self.capacity_bytes:
                 _, old = self._records.popitem(last=False)
                 self._used -= old.nbytes
-            self._records[record.meta.key] = ChunkRecord(record.meta, kv)
+            # Kept with its `ready` event: a pool write from it is ordered after the copy on
+            # the compute stream; a CPU reader (encode, for a shared tier) waits for it.
+            self._records[record.meta.key] = record
             self._used += size
         self._count(writes=1, bytes_written=size)
         return True

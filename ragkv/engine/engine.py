@@ -320,6 +320,8 @@ class Engine:
                                "them first")
         self._asleep = self.chunk_cache.offload() if self.chunk_cache is not None else []
         self.reset_prefix_cache()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the offload copies have landed before the pool goes
         self.pool.release_memory()
         logger.info("asleep: KV pool freed, %d cached chunks offloaded to host memory",
                     len(self._asleep))
