@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -186,3 +187,40 @@ def test_replicas_share_redis_precomputed_corpus_with_metrics(llama, tmp_path, r
     assert value("ragkv:chunk_store_available") == 1
     assert value("ragkv:chunk_store_read_bytes_total") > 0
     assert value("ragkv:chunk_store_load_seconds_count") == 3
+
+
+def test_two_servers_share_one_redis(llama, redis_server):
+    """Two `ragkv serve` replicas on one Redis: documents one computes are hits in the other,
+    with identical output."""
+    import redis
+
+    path, _ = llama
+    docs = [TEXTS[1], TEXTS[2]]
+    body = {"model": path, "messages": chat(docs), "documents": docs, "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
+    client = redis.Redis.from_url(redis_server.url)
+    with running_server(path, "--chunk-store", redis_server.url) as first, \
+            running_server(path, "--chunk-store", redis_server.url) as second:
+        a = httpx.post(f"{first}/v1/chat/completions", json=body, timeout=120)
+        assert a.status_code == 200, a.text
+        deadline = time.monotonic() + 30  # the write-through lands off the request's path
+        while len(client.keys("ragkv:chunk:*")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(client.keys("ragkv:chunk:*")) == 2
+        b = httpx.post(f"{second}/v1/chat/completions", json=body, timeout=120)
+        assert b.status_code == 200, b.text
+        assert b.json()["choices"][0]["message"]["content"] == \
+            a.json()["choices"][0]["message"]["content"]
+        hits = []
+        for base in (first, second):
+            server_wait_idle(base, None)
+            metrics = httpx.get(f"{base}/metrics", timeout=30).text
+            m = re.search(r'^ragkv:chunk_store_hits_total\{[^}]*tier="redis"\} (\S+)$', metrics,
+                          re.MULTILINE)
+            hits.append(float(m.group(1)))
+        assert hits == [0, 2]
+        # The second replica's cached tokens count the documents it did not compute.
+        usage = b.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= sum(
+            len(c) for c in LLM(path).engine.process_chat(chat(docs), documents=docs).chunks)
+    client.close()
