@@ -18,11 +18,14 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from .cache.chunk_store import MAX_PENDING_WRITES
 from .sampling import SamplingParams
 
 logger = logging.getLogger("ragkv")
 
 PROMPT_FORMATS = ("chat", "text")
+_NOT_STORED = ("its KV did not reach every shared tier (a chunk larger than the chunk cache "
+               "region, a tier full or failing: see the store errors)")
 # The question of a precompute request: it only has to exist (one token is generated and
 # thrown away); it is not part of any chunk's key.
 _QUESTION = "?"
@@ -38,7 +41,8 @@ class Document:
 class PrecomputeSummary:
     documents: int = 0
     computed: int = 0
-    skipped: int = 0  # already in the store
+    skipped: int = 0  # already in every shared tier
+    copied: int = 0  # in some shared tier: copied to the others
     failed: list[tuple[str, str]] = field(default_factory=list)  # (id, why)
     tokens: int = 0  # chunk tokens computed
     bytes_written: int = 0  # to the shared tiers, all of them together
@@ -52,6 +56,7 @@ class PrecomputeSummary:
             f"documents     {self.documents}",
             f"  computed    {self.computed}",
             f"  skipped     {self.skipped} (already stored)",
+            f"  copied      {self.copied} (stored in one shared tier, copied to the others)",
             f"  failed      {len(self.failed)}",
             f"tokens        {self.tokens}",
             f"bytes written {self.bytes_written} ({per_token:.0f} bytes/token, all shared "
@@ -102,10 +107,12 @@ def precompute(llm, documents: list[Document], system: str, prompt_format: str =
     if store is None or not store.has_shared_tier:
         raise ValueError("precompute writes to the chunk store's shared tiers: give a disk or "
                          "redis:// tier (--store disk:PATH:SIZE or --store redis://HOST:PORT/DB)")
-    shared = [t for t in store.tiers if t.shared]
+    shared = store.shared_tiers()
+    if batch_size * len(shared) > MAX_PENDING_WRITES:
+        raise ValueError(f"batch size {batch_size} with {len(shared)} shared tiers exceeds the "
+                         f"chunk store's write queue ({MAX_PENDING_WRITES} writes)")
     written_before = sum(t.stats().bytes_written for t in shared)
     errors_before = sum(t.stats().errors for t in shared)
-    dropped_before = store.dropped_writes
     summary = PrecomputeSummary(documents=len(documents))
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
@@ -115,38 +122,42 @@ def precompute(llm, documents: list[Document], system: str, prompt_format: str =
 
         bar = tqdm(total=len(documents), unit="doc", desc="precompute")
     for i in range(0, len(documents), batch_size):
-        batch: list[tuple[Document, object]] = []
+        batch: list[tuple[Document, object, list[str]]] = []
         for doc in documents[i:i + batch_size]:
             try:
                 prompt = _prompt(engine, doc, system, prompt_format, cache_salt)
-                keys = engine.chunk_keys(prompt)
+                metas = engine.chunk_metas(prompt)
             except ValueError as e:
                 summary.failed.append((doc.id, str(e)))
                 continue
+            keys = [m.key for m in metas]
             if not keys:
                 summary.failed.append((doc.id, "the document has no tokens"))
-            elif all(any(t.contains(k) for t in shared) for k in keys):
+            elif all(t.contains(k) for t in shared for k in keys):
                 summary.skipped += 1
+            elif all(store.copy_to_missing(m) for m in metas):
+                summary.copied += 1  # in one shared tier, not all (a Redis emptied since)
             else:
-                batch.append((doc, prompt))
+                batch.append((doc, prompt, keys))
         if batch:
-            llm.generate([p for _, p in batch], params, use_tqdm=False)
-            summary.computed += len(batch)
-            summary.tokens += sum(len(c) for _, p in batch for c in p.chunks)
-            # Each batch lands before the next starts: the writer's queue is bounded, and a
-            # precompute must not drop writes the way a busy server may.
+            llm.generate([p for _, p, _ in batch], params, use_tqdm=False)
+            # Each batch lands before the next starts (the writer's queue is bounded), then
+            # every document is checked in every shared tier: a chunk that did not get there
+            # (larger than the chunk region, a full or failing tier) is reported, not counted.
             engine.flush_chunk_store()
+            for doc, prompt, keys in batch:
+                if all(t.contains(k) for t in shared for k in keys):
+                    summary.computed += 1
+                    summary.tokens += sum(len(c) for c in prompt.chunks)
+                else:
+                    summary.failed.append((doc.id, _NOT_STORED))
         if bar is not None:
             bar.update(min(batch_size, len(documents) - i))
     if bar is not None:
         bar.close()
-    engine.flush_chunk_store()
     summary.seconds = time.perf_counter() - start
     summary.bytes_written = sum(t.stats().bytes_written for t in shared) - written_before
     summary.store_errors = sum(t.stats().errors for t in shared) - errors_before
-    if store.dropped_writes != dropped_before:
-        raise RuntimeError(f"{store.dropped_writes - dropped_before} chunk writes were dropped; "
-                           "run precompute again to store them")
     return summary
 
 

@@ -597,6 +597,123 @@ def test_write_through_drops_writes_beyond_the_queue_and_survives_a_failing_tier
     assert tier.stats().errors == 1
 
 
+class _FailingTier(ChunkStore):
+    """A tier whose backend raises what real ones can: an I/O error on read, a read-only
+    directory on delete, garbage on read."""
+
+    name = "failing"
+
+    def __init__(self, data: bytes | None = None) -> None:
+        super().__init__()
+        self.data = data
+
+    def get(self, key, expect):
+        if self.data is None:
+            raise OSError(5, "Input/output error")
+        return decode(self.data, expect)
+
+    def put(self, record):
+        raise OSError(30, "Read-only file system")
+
+    def contains(self, key):
+        return False
+
+    def delete(self, key):
+        raise OSError(30, "Read-only file system")
+
+
+def test_no_tier_problem_escapes_the_store(tmp_path, caplog):
+    """Whatever a tier raises, the store answers a miss (or the next tier's entry) and counts
+    it: a store problem never fails a request."""
+    a = tier_record(1)
+    behind = HostChunkStore(1 << 20)
+    behind.put(a)
+    nested = b"[" * 5000  # JSON too deeply nested to parse: RecursionError, not ValueError
+    garbage = MAGIC + len(nested).to_bytes(4, "little") + nested + bytes(4)
+    broken, damaged = _FailingTier(), _FailingTier(garbage)
+    store = TieredChunkStore([broken, damaged, behind])
+    with caplog.at_level(logging.WARNING, logger="ragkv"):
+        record, name = store.get(a.meta)
+        store.flush()  # the hit is copied back to both shared tiers: both writes fail
+    assert name == "host" and torch.equal(record.kv, a.kv)
+    assert (broken.stats().errors, broken.stats().misses) == (2, 1)
+    # The damaged entry is counted corrupt; deleting it fails (read-only): an error.
+    assert (damaged.stats().corrupt, damaged.stats().errors) == (1, 2)
+    assert "unreadable header: RecursionError" in caplog.text
+    assert "Input/output error" in caplog.text and "Read-only file system" in caplog.text
+    store.delete(a.meta.key)
+    assert not behind.contains(a.meta.key)
+    assert broken.stats().errors == damaged.stats().errors == 3
+    store.put(a)  # the writer thread counts the failing writes and goes on
+    store.flush()
+    assert broken.stats().errors == damaged.stats().errors == 4
+    store.close()
+
+
+def test_disk_tier_files_are_readable_by_other_users_and_counted_once(tmp_path, monkeypatch):
+    tier = DiskChunkStore(str(tmp_path), 1 << 20)
+    a = tier_record(1)
+    size = len(encode(a))
+    replace = os.replace
+
+    def replace_then_read(src, dst):  # a reader lands between the rename and the index
+        replace(src, dst)
+        tier.get(a.meta.key, a.meta)
+
+    monkeypatch.setattr(store_tiers.os, "replace", replace_then_read)
+    assert tier.put(a)
+    assert (tier.stats().used_bytes, tier.stats().entries) == (size, 1)
+    assert os.stat(RawDisk(str(tmp_path)).file(a.meta.key)).st_mode & 0o777 == 0o644
+    tier.delete(a.meta.key)
+    assert (tier.stats().used_bytes, tier.stats().entries) == (0, 0)
+
+
+def test_write_queue_is_bounded_in_bytes(monkeypatch):
+    monkeypatch.setattr(chunk_store_module, "MAX_PENDING_BYTES", 2 * tier_record(0).nbytes)
+    tier = _BlockingTier()
+    store = TieredChunkStore([tier])
+    store.put(tier_record(0))
+    assert tier.started.wait(10)  # the writer holds record 0; nothing waits
+    assert store.has_room(2 * tier_record(0).nbytes)
+    for i in (1, 2, 3):
+        store.put(tier_record(i))
+    assert store.dropped_writes == 1 and not store.has_room(1)
+    tier.release.set()
+    store.flush()
+    assert len(tier.written) == 3 and store.has_room(2 * tier_record(0).nbytes)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("redis://127.0.0.1:6379/0?decode_responses=true", "decode_responses must be off"),
+    ("redis://127.0.0.1:abc/0", "chunk_store: bad Redis URL 'redis://127.0.0.1:abc/0'"),
+    ("redis://127.0.0.1:6379/x", "the database must be a number"),
+])
+def test_bad_redis_urls(url, message):
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RedisChunkStore(url)
+
+
+def test_redis_retry_interval_doubles_while_it_stays_down(monkeypatch):
+    """A dead (or hung) Redis is asked once per retry interval, and the interval doubles up to
+    a bound, so the engine thread pays ever fewer timeouts; a success resets it."""
+    pytest.importorskip("redis")
+    clock = [1000.0]
+    monkeypatch.setattr(store_tiers.time, "monotonic", lambda: clock[0])
+    tier = RedisChunkStore("redis://127.0.0.1:1/0", timeout_seconds=0.2, retry_seconds=2.0)
+    a = tier_record(1)
+    pauses = []
+    for _ in range(8):
+        assert tier.get(a.meta.key, a.meta) is None
+        pauses.append(tier._down_until - clock[0])
+        assert tier.get(a.meta.key, a.meta) is None  # resting: not asked
+        assert tier.put(a) is False  # not even encoded
+        clock[0] = tier._down_until + 0.001
+    assert pauses == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert tier.stats().errors == 8 and not tier.stats().available
+    tier.close()
+
+
 def test_parse_size_and_build():
     assert parse_size("8GiB") == 8 << 30
     assert parse_size("500MB") == 500 * 10**6
@@ -942,6 +1059,41 @@ def test_sleep_and_wake_up_keep_cached_chunks(chunk_store, llama, monkeypatch):
     run(llm, hf, [prompts[1], rag(S, [D, A], Q2)], ["H", "HH"])
     stats = llm.get_chunk_cache_stats()
     assert stats.store_hits == 0 and stats.evictions == 0
+    llm.check_integrity()
+
+
+def test_a_planned_chunk_evicted_since_comes_back_from_the_store():
+    """A request re-binding a chunk it looked up before (its plan rolled back, or preempted)
+    finds it in the host tier if it was evicted meanwhile, instead of recomputing it."""
+    from ragkv.cache.chunk_cache import ChunkCache
+    from ragkv.cache.kv_pool import KVPool, SlotAllocator
+
+    pool = KVPool(2, 64, 2, 16, torch.float32, torch.device("cpu"))
+    store = build_chunk_store("host:1MiB")
+    cache = ChunkCache(SlotAllocator(1, 33), store=store, pool=pool, model="m")
+    tokens = tuple(range(20))
+    key, entry = cache.lookup("ns", (1, 2), tokens)
+    assert entry is None
+    entry = cache.reserve(key, (1, 2), tokens, "ns")
+    pool.write(entry.slots, torch.randn(2, 2, 20, 2, 16))
+    kv = pool.read(entry.slots)[0]
+    cache.complete(entry)
+    cache.unpin(entry)
+    assert cache.evict(20) == 20 and cache.find(key, (1, 2), tokens) is None
+    back = cache.find_or_load(key, "ns", (1, 2), tokens)
+    assert back is not None and torch.equal(pool.read(back.slots)[0], kv)
+    assert cache.stats().store_hits == 1 and cache.stats().lookups == 1  # uncounted lookup
+    cache.check_integrity()
+
+
+def test_clear_while_asleep_sticks(llama):
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=1024)
+    run(llm, hf, [rag(S, DOCS[:2], Q1)], ["MM"])
+    llm.sleep()
+    assert llm.clear_chunk_cache() == 2  # the offloaded chunks
+    llm.wake_up()
+    run(llm, hf, [rag(S, DOCS[:2], Q2)], ["MM"])
     llm.check_integrity()
 
 

@@ -224,3 +224,40 @@ def test_two_servers_share_one_redis(llama, redis_server):
         assert usage["prompt_tokens_details"]["cached_tokens"] >= sum(
             len(c) for c in LLM(path).engine.process_chat(chat(docs), documents=docs).chunks)
     client.close()
+
+
+def test_precompute_reports_chunks_that_were_not_stored(llama, tmp_path):
+    """A chunk larger than the chunk region is computed but never cached, so never stored:
+    the document is reported as failed (and computed again by a rerun), not as done."""
+    path, _ = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl", TEXTS[:2])
+    store = f"disk:{tmp_path / 'store'}:1GiB"
+    r = precompute(path, corpus, store, "--chunk-cache-tokens", "8")
+    assert r.returncode == 1, r.stderr
+    assert summary_field(r.stdout, "computed") == 0 and summary_field(r.stdout, "failed") == 2
+    assert "failed doc-0: its KV did not reach every shared tier" in r.stdout
+    r = precompute(path, corpus, store, "--batch-size", "300")
+    assert r.returncode == 2 and "exceeds the chunk store's write queue" in r.stderr
+
+
+def test_precompute_refills_a_tier_that_lost_its_entries(llama, tmp_path, redis_server):
+    """Resuming skips a document only when every shared tier holds it: after Redis is
+    emptied, a rerun copies the disk tier's entries there (nothing is recomputed)."""
+    import redis
+
+    path, _ = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl", TEXTS[:3])
+    store = f"disk:{tmp_path / 'store'}:1GiB,{redis_server.url}"
+    first = precompute(path, corpus, store)
+    assert first.returncode == 0 and summary_field(first.stdout, "computed") == 3
+    client = redis.Redis.from_url(redis_server.url)
+    assert len(client.keys("ragkv:chunk:*")) == 3
+    client.flushall()
+    again = precompute(path, corpus, store)
+    assert again.returncode == 0, again.stdout + again.stderr
+    counts = [summary_field(again.stdout, f) for f in ("computed", "skipped", "copied")]
+    assert counts == [0, 0, 3]  # read from the disk tier, written to Redis
+    assert len(client.keys("ragkv:chunk:*")) == 3
+    done = precompute(path, corpus, store)
+    assert summary_field(done.stdout, "skipped") == 3
+    client.close()

@@ -28,6 +28,7 @@ written through to the shared tiers, and an evicted one is demoted to the host t
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from array import array
 from collections import OrderedDict
@@ -38,6 +39,8 @@ from .chunk_store import TieredChunkStore, TierStats
 from .kv_pool import KVPool, SlotAllocator
 
 SUPPORTED_HASHES = ("sha256", "xxh3_128")
+
+logger = logging.getLogger("ragkv")
 
 
 class ChunkEntry:
@@ -140,9 +143,7 @@ class ChunkCache:
         """Find the entry for this chunk (complete or being computed); counts a hit or miss."""
         start = time.perf_counter()
         key = self.key(namespace, system, tokens)
-        entry = self.find(key, system, tokens)
-        if entry is None and self.store is not None and key not in self._entries:
-            entry = self._load(key, namespace, system, tokens)
+        entry = self.find_or_load(key, namespace, system, tokens)
         self.lookups += 1
         if entry is None:
             self.misses += 1
@@ -169,6 +170,15 @@ class ChunkCache:
         entry = self._entries.get(key)
         if entry is not None and (entry.tokens != tokens or entry.system != system):
             return None
+        return entry
+
+    def find_or_load(self, key: bytes, namespace: str, system: tuple[int, ...],
+                     tokens: tuple[int, ...]) -> ChunkEntry | None:
+        """`find`, else the chunk promoted from the store (evicted to a tier since the request
+        first looked it up); uncounted, like `find`."""
+        entry = self.find(key, system, tokens)
+        if entry is None and self.store is not None and key not in self._entries:
+            entry = self._load(key, namespace, system, tokens)
         return entry
 
     def pin(self, entry: ChunkEntry) -> None:
@@ -216,9 +226,25 @@ class ChunkCache:
             self._lru[entry.key] = entry
             self._lru_tokens += len(entry)
         if self.store is not None and self.store.has_shared_tier:
-            self.store.put(self._record(entry))
+            self._write_through(entry)
 
-    def _meta(self, key: bytes, namespace: str, system: tuple[int, ...],
+    def _write_through(self, entry: ChunkEntry) -> None:
+        """Queue the entry's KV for the shared tiers. A full queue, or a copy that fails
+        (pinned memory exhausted), costs only the sharing of this chunk: a dropped write."""
+        nbytes = len(entry) * self.pool.kv[:, :, 0].numel() * self.pool.kv.element_size()
+        if not self.store.has_room(nbytes):
+            self.store.note_dropped()
+            return
+        try:
+            record = self._record(entry)
+        except Exception as e:
+            self.store.note_dropped()
+            logger.warning("chunk store: copying a chunk off the pool failed (%s: %s); it is "
+                           "not shared", type(e).__name__, e)
+            return
+        self.store.put(record)
+
+    def meta(self, key: bytes, namespace: str, system: tuple[int, ...],
               tokens: tuple[int, ...]) -> ChunkMeta:
         _, layers, _, heads, dim = self.pool.kv.shape
         return ChunkMeta.describe(key, self.model, self.pool.kv.dtype, namespace, system, tokens,
@@ -226,7 +252,7 @@ class ChunkCache:
 
     def _record(self, entry: ChunkEntry) -> ChunkRecord:
         kv, ready = self.pool.read(entry.slots)
-        return ChunkRecord(self._meta(entry.key, entry.namespace, entry.system, entry.tokens),
+        return ChunkRecord(self.meta(entry.key, entry.namespace, entry.system, entry.tokens),
                            kv, ready)
 
     def _load(self, key: bytes, namespace: str, system: tuple[int, ...],
@@ -235,7 +261,7 @@ class ChunkCache:
         (not stored, or no room in the region)."""
         if self.allocator is None or len(tokens) - self.allocator.num_free > self._lru_tokens:
             return None  # no room even after evicting every unused entry: do not read it
-        found = self.store.get(self._meta(key, namespace, system, tokens))
+        found = self.store.get(self.meta(key, namespace, system, tokens))
         if found is None:
             return None
         entry = self.insert(key, namespace, system, tokens, found[0].kv)
@@ -280,8 +306,12 @@ class ChunkCache:
         demote = demote and self.store is not None and self.store.has_host_tier
         while freed < num_tokens and self._lru:
             entry = next(iter(self._lru.values()))
-            if demote:
-                self.store.demote(self._record(entry))
+            if demote and not self.store.host_contains(entry.key.hex()):
+                try:
+                    self.store.demote(self._record(entry))
+                except Exception as e:  # the eviction goes on: the chunk is only lost
+                    logger.warning("chunk store: demoting a chunk failed (%s: %s)",
+                                   type(e).__name__, e)
             self._drop(entry)
             freed += len(entry)
             self.evictions += 1

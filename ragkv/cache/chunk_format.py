@@ -126,8 +126,8 @@ def decode(data: bytes | bytearray | memoryview, expect: ChunkMeta) -> ChunkReco
                                 f"{len(view)} bytes")
     try:
         header = json.loads(bytes(view[fixed:fixed + header_len]))
-    except ValueError as e:
-        raise CorruptChunkError(f"unreadable header: {e}") from e
+    except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
+        raise CorruptChunkError(f"unreadable header: {type(e).__name__}") from e
     if not isinstance(header, dict) or header.get("version") != FORMAT_VERSION:
         raise CorruptChunkError(f"format version {header.get('version')!r} (this reader: "
                                 f"{FORMAT_VERSION})" if isinstance(header, dict)

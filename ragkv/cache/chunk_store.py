@@ -35,9 +35,11 @@ logger = logging.getLogger("ragkv")
 
 # Load latency buckets (seconds) of the `ragkv:chunk_store_load_seconds` histogram.
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-# Writes waiting for the writer thread; beyond this, new writes are dropped (and counted)
-# rather than holding unbounded host memory while a slow backend catches up.
+# Writes waiting for the writer thread, at most this many and this many bytes; beyond
+# either, new writes are dropped (and counted) rather than holding unbounded host memory
+# while a slow backend catches up.
 MAX_PENDING_WRITES = 256
+MAX_PENDING_BYTES = 4 << 30
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -129,18 +131,20 @@ class ChunkStore(ABC):
 
 
 class TieredChunkStore:
-    """Tiers in order, one writer thread for the shared ones."""
+    """Tiers in order, one writer thread for the shared ones. No tier problem escapes `get`:
+    a read that fails for any reason is counted and answered as a miss, so a store problem
+    never fails a request, it only costs the computation of the chunk."""
 
     def __init__(self, tiers: list[ChunkStore]) -> None:
         if not tiers:
             raise ValueError("chunk_store: no tier given")
         self.tiers = tiers
-        self.dropped_writes = 0
-        self._pending: queue.Queue = queue.Queue(MAX_PENDING_WRITES)
-        self._writer: threading.Thread | None = None
+        self._writes = _WriteQueue()
         # The writer is a daemon thread: a script that ends without close() would lose the
-        # writes still queued, so they are flushed at exit (daemon threads still run then).
+        # writes still queued, so they are flushed at exit (daemon threads still run then);
+        # a store that is garbage collected stops its writer.
         atexit.register(_flush_at_exit, weakref.ref(self))
+        weakref.finalize(self, self._writes.stop)
 
     @property
     def has_host_tier(self) -> bool:
@@ -149,6 +153,10 @@ class TieredChunkStore:
     @property
     def has_shared_tier(self) -> bool:
         return any(t.shared for t in self.tiers)
+
+    @property
+    def dropped_writes(self) -> int:
+        return self._writes.dropped
 
     def get(self, expect: ChunkMeta) -> tuple[ChunkRecord, str] | None:
         """The first intact record for `expect` and the name of the tier that held it; a
@@ -161,33 +169,64 @@ class TieredChunkStore:
                 tier._count(corrupt=1)
                 logger.warning("chunk store: %s entry %s is unusable (%s): deleted, the chunk "
                                "is recomputed", tier.name, expect.key[:16], e)
-                tier.delete(expect.key)
+                _guarded(tier, "delete", tier.delete, expect.key)
+                continue
+            except Exception as e:  # a failing backend is a miss, never a failed request
+                tier._count(errors=1, misses=1)
+                logger.warning("chunk store: %s read of %s failed (%s: %s); the chunk is "
+                               "computed", tier.name, expect.key[:16], type(e).__name__, e)
                 continue
             if record is not None:
                 for earlier in self.tiers[:i]:
                     if earlier.shared:
-                        self._enqueue(earlier, record)
+                        self._writes.put(earlier, record)
                 return record, tier.name
         return None
 
     def contains(self, key: str) -> bool:
         return any(tier.contains(key) for tier in self.tiers)
 
+    def delete(self, key: str) -> None:
+        for tier in self.tiers:
+            _guarded(tier, "delete", tier.delete, key)
+
+    def host_contains(self, key: str) -> bool:
+        return any(not tier.shared and tier.contains(key) for tier in self.tiers)
+
+    def shared_tiers(self) -> list[ChunkStore]:
+        return [tier for tier in self.tiers if tier.shared]
+
+    def copy_to_missing(self, expect: ChunkMeta) -> bool:
+        """Copy a stored chunk into the shared tiers that lack it (a Redis emptied while the
+        disk tier kept its copy); False if no tier holds an intact copy."""
+        lacking = [t for t in self.shared_tiers() if not t.contains(expect.key)]
+        found = self.get(expect)
+        if found is None:
+            return False
+        for tier in lacking:
+            self._writes.put(tier, found[0])
+        return True
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a write of `nbytes` to every shared tier would be queued (checked before
+        copying the chunk off the pool, so a dropped write costs no copy)."""
+        return self._writes.has_room(nbytes * sum(t.shared for t in self.tiers))
+
+    def note_dropped(self) -> None:
+        """A write-through given up before it reached the queue (counted with the others)."""
+        self._writes.count_dropped()
+
     def put(self, record: ChunkRecord) -> None:
         """Write a freshly computed chunk to every shared tier, off the caller's thread."""
         for tier in self.tiers:
             if tier.shared:
-                self._enqueue(tier, record)
+                self._writes.put(tier, record)
 
     def demote(self, record: ChunkRecord) -> None:
         """Keep a chunk leaving the pool in the host tiers (synchronous: a memory copy)."""
         for tier in self.tiers:
             if not tier.shared:
-                tier.put(record)
-
-    def delete(self, key: str) -> None:
-        for tier in self.tiers:
-            tier.delete(key)
+                _guarded(tier, "write", tier.put, record)
 
     def clear_host(self) -> None:
         """Drop every entry of the host tiers (the shared ones are left to their owners)."""
@@ -197,7 +236,7 @@ class TieredChunkStore:
 
     def flush(self) -> None:
         """Wait until every queued write has reached its tier."""
-        self._pending.join()
+        self._writes.join()
 
     def close(self) -> None:
         self.flush()
@@ -207,32 +246,85 @@ class TieredChunkStore:
     def stats(self) -> tuple[TierStats, ...]:
         return tuple(tier.stats() for tier in self.tiers)
 
-    def _enqueue(self, tier: ChunkStore, record: ChunkRecord) -> None:
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="ragkv-chunk-store",
-                                            daemon=True)
-            self._writer.start()
-        try:
-            self._pending.put_nowait((tier, record))
-        except queue.Full:
-            self.dropped_writes += 1
-            logger.debug("chunk store: write queue full, %s write dropped", tier.name)
 
-    def _write_loop(self) -> None:
-        while True:
-            tier, record = self._pending.get()
-            try:
-                tier.put(record)
-            except Exception:  # a bug in a tier must not kill the writer
-                tier._count(errors=1)
-                logger.exception("chunk store: write to %s failed", tier.name)
-            finally:
-                self._pending.task_done()
+class _WriteQueue:
+    """Writes waiting for the writer thread, bounded in count and bytes: past either bound a
+    write is dropped (counted) rather than holding host memory while a slow backend catches
+    up. The thread holds this queue, not the store, so the store can be collected."""
+
+    def __init__(self) -> None:
+        self.dropped = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._count = self._bytes = 0
+        self._thread: threading.Thread | None = None
+
+    def copy_to_missing(self, expect: ChunkMeta) -> bool:
+        """Copy a stored chunk into the shared tiers that lack it (a Redis emptied while the
+        disk tier kept its copy); False if no tier holds an intact copy."""
+        lacking = [t for t in self.shared_tiers() if not t.contains(expect.key)]
+        found = self.get(expect)
+        if found is None:
+            return False
+        for tier in lacking:
+            self._writes.put(tier, found[0])
+        return True
+
+    def has_room(self, nbytes: int) -> bool:
+        with self._lock:
+            return (self._count < MAX_PENDING_WRITES
+                    and self._bytes + nbytes <= MAX_PENDING_BYTES)
+
+    def put(self, tier: ChunkStore, record: ChunkRecord) -> None:
+        size = record.nbytes
+        with self._lock:
+            if self._count >= MAX_PENDING_WRITES or self._bytes + size > MAX_PENDING_BYTES:
+                self.dropped += 1
+                logger.debug("chunk store: write queue full, %s write dropped", tier.name)
+                return
+            self._count += 1
+            self._bytes += size
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ragkv-chunk-store",
+                                                daemon=True)
+                self._thread.start()
+        self._queue.put((tier, record))
+
+    def count_dropped(self) -> None:
+        with self._lock:
+            self.dropped += 1
+
+    def join(self) -> None:
+        self._queue.join()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            tier, record = item
+            with self._lock:  # no longer waiting (the one being written is extra)
+                self._count -= 1
+                self._bytes -= record.nbytes
+            _guarded(tier, "write", tier.put, record)
+            self._queue.task_done()
+        self._queue.task_done()
+
+
+def _guarded(tier: ChunkStore, what: str, call, *args) -> None:
+    """`call(*args)`, a failure counted on `tier` and logged: a store problem never stops the
+    engine or the writer."""
+    try:
+        call(*args)
+    except Exception as e:
+        tier._count(errors=1)
+        logger.warning("chunk store: %s %s failed (%s: %s)", tier.name, what,
+                       type(e).__name__, e)
 
 
 def _flush_at_exit(ref: weakref.ref) -> None:
     store = ref()
-    if store is not None and store._writer is not None:
+    if store is not None:
         store.flush()
 
 

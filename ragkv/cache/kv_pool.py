@@ -34,8 +34,7 @@ class KVPool:
         on the compute stream without a host sync, so the engine thread does not wait for it.
         Anything on that stream (a later write back into the pool) is ordered after it; a CPU
         reader must wait for the event (ChunkRecord.wait)."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
-        gathered = self.kv.index_select(2, index)
+        gathered = self.kv.index_select(2, self._index(slots))
         if self.kv.device.type != "cuda":
             return gathered, None
         host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
@@ -48,8 +47,15 @@ class KVPool:
 
     def write(self, slots: list[int], kv: torch.Tensor) -> None:
         """Put `kv` ([2, layers, len(slots), kv_heads, head_dim], any device) into `slots`."""
-        index = torch.tensor(slots, dtype=torch.long, device=self.kv.device)
-        self.kv.index_copy_(2, index, kv.to(self.kv.device, non_blocking=True))
+        self.kv.index_copy_(2, self._index(slots), kv.to(self.kv.device, non_blocking=True))
+
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        index = torch.tensor(slots, dtype=torch.long)
+        if self.kv.device.type != "cuda":
+            return index
+        # From pinned memory without blocking: a copy from pageable memory (what
+        # torch.tensor(..., device="cuda") does) waits for the stream.
+        return index.pin_memory().to(self.kv.device, non_blocking=True)
 
     def release_memory(self) -> None:
         """Free the pool's memory (LLM.sleep); every slot's contents are lost. The tensor

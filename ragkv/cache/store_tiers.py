@@ -9,6 +9,7 @@ import os
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 
 import torch
@@ -19,6 +20,10 @@ from .chunk_store import ChunkStore
 logger = logging.getLogger("ragkv")
 
 _SUFFIX = ".ragkv-chunk"
+
+
+def _is_hex(key: str) -> bool:
+    return bool(key) and all(c in "0123456789abcdef" for c in key)
 
 
 class HostChunkStore(ChunkStore):
@@ -108,9 +113,10 @@ class DiskChunkStore(ChunkStore):
         try:
             os.makedirs(self.path, exist_ok=True)
             for entry in os.scandir(self.path):
-                if entry.name.endswith(_SUFFIX) and entry.is_file():
+                key = entry.name[:-len(_SUFFIX)]
+                if entry.name.endswith(_SUFFIX) and _is_hex(key) and entry.is_file():
                     st = entry.stat()
-                    found.append((st.st_mtime_ns, entry.name[:-len(_SUFFIX)], st.st_size))
+                    found.append((st.st_mtime_ns, key, st.st_size))
         except OSError as e:
             raise ValueError(f"chunk_store: cannot use {self.path} as a disk tier: "
                              f"{e.strerror or e}") from e
@@ -120,7 +126,7 @@ class DiskChunkStore(ChunkStore):
         self._evict()
 
     def _file(self, key: str) -> str:
-        if not key or not all(c in "0123456789abcdef" for c in key):
+        if not _is_hex(key):
             raise ValueError(f"chunk store key {key!r} is not a hex digest")
         return os.path.join(self.path, key + _SUFFIX)
 
@@ -132,8 +138,7 @@ class DiskChunkStore(ChunkStore):
         except FileNotFoundError:
             self._count(misses=1)
             with self._guard:
-                if self._index.pop(key, None) is not None:  # deleted by another process
-                    self._used = sum(self._index.values())
+                self._used -= self._index.pop(key, 0)  # deleted by another process
             return None
         except OSError as e:
             self._count(errors=1, misses=1)
@@ -141,12 +146,14 @@ class DiskChunkStore(ChunkStore):
             return None
         record = decode(data, expect)
         with self._guard:
-            if key not in self._index:  # written by another process on this directory
-                self._index[key] = len(data)
-                self._used += len(data)
+            # Written by another process on this directory, or by our writer thread between
+            # its rename and its index update: counted once either way.
+            self._used += len(data) - self._index.get(key, 0)
+            self._index[key] = len(data)
             self._index.move_to_end(key)
         with contextlib.suppress(OSError):
             os.utime(self._file(key))  # recency survives a restart
+        self._evict()
         self._count_load(time.perf_counter() - start, len(data))
         return record
 
@@ -163,6 +170,8 @@ class DiskChunkStore(ChunkStore):
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
+                # mkstemp makes it private; replicas or precompute may run as other users.
+                os.chmod(tmp, 0o644)
                 os.replace(tmp, target)
             finally:
                 if os.path.exists(tmp):
@@ -172,8 +181,8 @@ class DiskChunkStore(ChunkStore):
             logger.warning("chunk store: cannot write %s: %s", target, e)
             return False
         with self._guard:
+            self._used += len(data) - self._index.get(key, 0)
             self._index[key] = len(data)
-            self._used += len(data)
         self._count(writes=1, bytes_written=len(data))
         self._evict()
         return True
@@ -183,10 +192,8 @@ class DiskChunkStore(ChunkStore):
 
     def delete(self, key: str) -> None:
         with self._guard:
-            size = self._index.pop(key, None)
-            if size is not None:
-                self._used -= size
-        with contextlib.suppress(FileNotFoundError):
+            self._used -= self._index.pop(key, 0)
+        with contextlib.suppress(FileNotFoundError):  # other errors: counted by the caller
             os.unlink(self._file(key))
 
     def _evict(self) -> None:
@@ -196,8 +203,13 @@ class DiskChunkStore(ChunkStore):
                     return
                 key, size = self._index.popitem(last=False)
                 self._used -= size
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self._file(key))
+            except FileNotFoundError:
+                pass
+            except OSError as e:  # read-only or foreign files: the bound is then best effort
+                self._count(errors=1)
+                logger.warning("chunk store: cannot delete %s: %s", self._file(key), e)
 
     def _usage(self) -> tuple[int, int, int, bool]:
         return len(self._index), self._used, self.capacity_bytes, True
@@ -207,15 +219,17 @@ class RedisChunkStore(ChunkStore):
     """Entries as Redis values under `ragkv:chunk:<key>`, written with SET NX (write-once).
 
     Every call has a timeout (`socket_timeout`, default 1 s; the URL's query may set it). A
-    failure marks the tier down for `retry_seconds`: meanwhile it answers as a miss without
-    trying, so a dead Redis costs one timeout, not one per chunk; the next call after that tries
-    again, and a success logs the reconnection. A command Redis refuses (out of memory under
+    failure marks the tier down for `retry_seconds`, doubling with each failed retry up to
+    MAX_RETRY_SECONDS: meanwhile it answers as a miss without trying (and skips writes), so a
+    dead or hung Redis costs the engine one timeout per retry, not one per chunk; a success
+    logs the reconnection. A command Redis refuses (out of memory under
     `noeviction`, a value over its size limit) is a failed call, not an outage: counted, logged
     once per kind of refusal, and the tier stays up for reads."""
 
     name = "redis"
     prefix = "ragkv:chunk:"
     max_value_bytes = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
+    MAX_RETRY_SECONDS = 60.0
 
     def __init__(self, url: str, timeout_seconds: float = 1.0,
                  retry_seconds: float = 2.0) -> None:
@@ -230,15 +244,26 @@ class RedisChunkStore(ChunkStore):
         self._error_types = (redis.RedisError, OSError)
         self._refusal_type = redis.ResponseError
         self._refusals_logged: set[str] = set()
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_seconds,
-                                           socket_connect_timeout=timeout_seconds)
+        db = urllib.parse.urlsplit(url).path.strip("/")
+        if url.startswith(("redis://", "rediss://")) and db and not db.isdigit():
+            raise ValueError(f"chunk_store: Redis URL {url!r}: the database must be a number "
+                             "(redis://HOST:PORT/DB)")
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_seconds,
+                                               socket_connect_timeout=timeout_seconds)
+        except (ValueError, redis.RedisError) as e:
+            raise ValueError(f"chunk_store: bad Redis URL {url!r}: {e}") from e
+        if self.client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError(f"chunk_store: Redis URL {url!r}: decode_responses must be off "
+                             "(entries are bytes)")
         self.available = True
         self._down_until = 0.0
+        self._failures = 0  # consecutive failed calls: the retry interval doubles with each
 
     def _call(self, method: str, *args, **kwargs):
         """The client's answer, or None while the tier is down (errors counted, logged once
         per outage)."""
-        if not self.available and time.monotonic() < self._down_until:
+        if self._resting():
             return None
         try:
             result = getattr(self.client, method)(*args, **kwargs)
@@ -257,12 +282,19 @@ class RedisChunkStore(ChunkStore):
                                "locally, retrying every %.0f s", self.url, e,
                                self.retry_seconds)
             self.available = False
-            self._down_until = time.monotonic() + self.retry_seconds
+            self._failures += 1
+            pause = min(self.retry_seconds * 2 ** (self._failures - 1), self.MAX_RETRY_SECONDS)
+            self._down_until = time.monotonic() + pause
             return None
         if not self.available:
             logger.warning("chunk store: Redis at %s is back", self.url)
             self.available = True
+        self._failures = 0
         return result
+
+    def _resting(self) -> bool:
+        """Down, and not yet time to try again."""
+        return not self.available and time.monotonic() < self._down_until
 
     def get(self, key: str, expect: ChunkMeta) -> ChunkRecord | None:
         start = time.perf_counter()
@@ -275,6 +307,8 @@ class RedisChunkStore(ChunkStore):
         return record
 
     def put(self, record: ChunkRecord) -> bool:
+        if self._resting():
+            return False  # no encoding for a Redis that is down
         data = encode(record)
         if len(data) > self.max_value_bytes:
             # Redis drops the connection on a value over proto-max-bulk-len (512 MiB by

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
+from ..cache.chunk_format import ChunkMeta
 from ..cache.chunk_store import build_chunk_store
 from ..cache.kv_manager import KVCacheManager, SeqKV
 from ..cache.kv_pool import KVPool, SlotAllocator
@@ -300,6 +301,10 @@ class Engine:
 
     def chunk_keys(self, prompt: object) -> list[str]:
         """Hex chunk-cache keys (the chunk store's keys) of a prompt's chunks, in order."""
+        return [meta.key for meta in self.chunk_metas(prompt)]
+
+    def chunk_metas(self, prompt: object) -> list[ChunkMeta]:
+        """What the chunk store's entries of a prompt's chunks must describe, in order."""
         parsed = self.process_prompt(prompt)
         if self.chunk_cache is None or not parsed.chunks:
             return []
@@ -307,7 +312,9 @@ class Engine:
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
         namespace, system = self._chunk_scope(parsed, layout.sees_system)
-        return [self.chunk_cache.key(namespace, system, tuple(c)).hex() for c in parsed.chunks]
+        cache = self.chunk_cache
+        return [cache.meta(cache.key(namespace, system, tuple(c)), namespace, system, tuple(c))
+                for c in parsed.chunks]
 
     def sleep(self) -> None:
         """Free the KV pool's memory (vLLM's `sleep`, level 1 for the KV cache; the weights
@@ -657,6 +664,9 @@ class Engine:
         return self.chunk_cache.stats()
 
     def clear_chunk_cache(self) -> int:
+        if self._asleep:  # what sleep() offloaded is cached too: it does not come back
+            dropped, self._asleep = len(self._asleep), []
+            return dropped + (self.chunk_cache.clear() if self.chunk_cache else 0)
         return self.chunk_cache.clear() if self.chunk_cache is not None else 0
 
     def check_integrity(self) -> None:

@@ -332,8 +332,8 @@ class Scheduler:
                 else:
                     req.metrics.num_chunk_hits += 1
                     req.metrics.num_chunk_cached_tokens += len(tokens)
-            else:
-                entry = cache.find(req.chunk_keys[i], req.system, tokens)
+            else:  # planned before (rolled back, or preempted): counted then
+                entry = cache.find_or_load(req.chunk_keys[i], req.namespace, req.system, tokens)
             if entry is not None:
                 if not (entry.complete or entry in out.completing):
                     raise _Blocked(_Stop.CHUNK_WAIT)  # being computed: use it when done
