@@ -144,7 +144,9 @@ class TieredChunkStore:
         # writes still queued, so they are flushed at exit (daemon threads still run then);
         # a store that is garbage collected stops its writer.
         atexit.register(_flush_at_exit, weakref.ref(self))
-        weakref.finalize(self, self._writes.stop)
+        # Not at exit: a thread ending while the interpreter (and torch) shut down can abort
+        # the process ("terminate called without an active exception").
+        weakref.finalize(self, self._writes.stop).atexit = False
 
     @property
     def has_host_tier(self) -> bool:

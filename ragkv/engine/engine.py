@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
-from ..cache.chunk_format import ChunkMeta
+from ..cache.chunk_format import FORMAT_VERSION, ChunkMeta
 from ..cache.chunk_store import build_chunk_store
 from ..cache.kv_manager import KVCacheManager, SeqKV
 from ..cache.kv_pool import KVPool, SlotAllocator
@@ -126,7 +126,11 @@ class Engine:
         self.prompt_rules = PromptRules(mc.vocab_size, config.chunk_separator,
                                         config.max_chunk_tokens, config.oversize_chunk,
                                         max_chars)
-        self._namespace = f"{checkpoint.fingerprint}|{self.dtype}|{KV_STORAGE}"
+        # The store's entry format is in the namespace, so in the key: replicas of two versions
+        # during a rolling upgrade use different keys instead of deleting each other's entries
+        # as unreadable.
+        self._namespace = (f"{checkpoint.fingerprint}|{self.dtype}|{KV_STORAGE}"
+                           f"|format={FORMAT_VERSION}")
         self._check_rope(config.position_strategy, config.chunk_attention)
         if config.recompute != "none":
             self._check_layers()
