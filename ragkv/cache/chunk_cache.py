@@ -200,7 +200,7 @@ class ChunkCache:
             self._lru_tokens += len(entry)
 
     def reserve(self, key: bytes, system: tuple[int, ...], tokens: tuple[int, ...],
-                namespace: str = "") -> ChunkEntry | None:
+                namespace: str) -> ChunkEntry | None:
         """A new entry to be computed by the caller, pinned once; None if it cannot fit."""
         if self.allocator is None or len(tokens) > self.allocator.capacity:
             return None

@@ -342,10 +342,8 @@ class Engine:
         if self._asleep is None:
             return
         self.pool.restore_memory()
-        graphs = self.runner.graphs
-        if graphs is not None:  # captured graphs address the old pool memory
-            graphs.graphs.clear()
-            graphs.capture()
+        if self.runner.graphs is not None:  # captured graphs address the old pool memory
+            self.runner.graphs.capture()
         offloaded, self._asleep = self._asleep, None
         for entry, record in offloaded:
             self.chunk_cache.insert(entry.key, entry.namespace, entry.system, entry.tokens,

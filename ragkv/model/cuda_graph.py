@@ -67,6 +67,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
+        self.graphs.clear()  # a re-capture (wake_up) drops graphs that address freed memory
         mempool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs reuse its memory from the shared pool.
         for size in reversed(self.sizes):
