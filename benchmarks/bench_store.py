@@ -39,8 +39,6 @@ import contextlib
 import json
 import os
 import random
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -122,45 +120,20 @@ def main() -> None:
 
 @contextlib.contextmanager
 def private_redis():
-    """The URL of a redis-server of our own on a free loopback port, without persistence
-    (entries are recomputable; snapshots would only add disk writes to the timings); None
-    when redis-server is not installed."""
-    binary = shutil.which("redis-server")
-    try:
-        import redis
-    except ImportError:  # the tier needs the client too
-        binary = None
+    """The URL of a redis-server of our own (ragkv.bench.redis_server); None when
+    redis-server is not installed."""
+    from ragkv.bench.redis_server import RedisServer
+
+    binary = RedisServer.find()
     if binary is None:
         yield None
         return
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    server = RedisServer(binary)
+    server.start()
     try:
-        client = redis.Redis.from_url(url, socket_timeout=1)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not come up") from None
-                time.sleep(0.05)
-        client.close()
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
 
 
 def load_vs_recompute(args, tiers: list[str], workdir: str, redis_url: str | None) -> dict:

@@ -211,53 +211,17 @@ def redis_server():
     """A real `redis-server` on a free loopback port, without persistence; yields a handle
     with `.url`, `.stop()` and `.start()` (same port, empty again). Skips when redis-server
     is not installed, unless RAGKV_REQUIRE_REDIS=1 (CI installs it)."""
-    import shutil
+    from ragkv.bench.redis_server import RedisServer
 
-    binary = shutil.which("redis-server")
+    binary = RedisServer.find()
     if binary is None:
         if os.environ.get("RAGKV_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server is not installed and RAGKV_REQUIRE_REDIS=1")
+            pytest.fail("redis-server (or the redis package) is not installed and "
+                        "RAGKV_REQUIRE_REDIS=1")
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
-    pytest.importorskip("redis")
     server = RedisServer(binary)
     server.start()
     try:
         yield server
     finally:
         server.stop()
-
-
-class RedisServer:
-    def __init__(self, binary: str) -> None:
-        self.binary = binary
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis.from_url(self.url, socket_timeout=1)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not come up") from None
-                time.sleep(0.05)
-            finally:
-                client.close()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None

@@ -261,17 +261,6 @@ class _WriteQueue:
         self._count = self._bytes = 0
         self._thread: threading.Thread | None = None
 
-    def copy_to_missing(self, expect: ChunkMeta) -> bool:
-        """Copy a stored chunk into the shared tiers that lack it (a Redis emptied while the
-        disk tier kept its copy); False if no tier holds an intact copy."""
-        lacking = [t for t in self.shared_tiers() if not t.contains(expect.key)]
-        found = self.get(expect)
-        if found is None:
-            return False
-        for tier in lacking:
-            self._writes.put(tier, found[0])
-        return True
-
     def has_room(self, nbytes: int) -> bool:
         with self._lock:
             return (self._count < MAX_PENDING_WRITES
