@@ -233,6 +233,59 @@ def test_layouts_on_the_triton_backend(layout, llama):
     run(llm, hf, [rag(S, [B, A], random_prompt(4, seed=95), layout=layout)], ["HH"])
 
 
+class _EagerGraph:
+    """Stands in for a captured CUDA graph where there is no GPU: a replay runs the step the
+    graph would have captured, on the same persistent input buffers, into the same logits."""
+
+    def __init__(self, graphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+        self.plan = graphs.plan(size)
+        self.logits = torch.empty(size, graphs.model.config.vocab_size)
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.logits.copy_(self.graphs._forward(self.size, *self.plan))
+        self.replays += 1
+
+
+@pytest.mark.parametrize("layout", [SEQ_ISO, SEQ_ALONE], ids=LAYOUT_IDS[::2])
+def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
+    """Decode steps of re-positioned requests run through the CUDA-graph path: ranges and the
+    cos/sin of their deltas go into the graph's persistent buffers, a batch padded to the
+    next graph size, plain and re-positioned rows mixed, buffers left over from an earlier
+    step with more ranges. On a GPU the engine's real graphs; without one, the graph
+    replays are stand-ins that run the same forward on the same buffers (Triton
+    interpreted)."""
+    pytest.importorskip("triton")
+    from ragkv.model.cuda_graph import DecodeGraphs
+
+    path, hf = llama
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
+                   dtype="float32", attention_backend="triton", max_num_seqs=4)
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    if graphs is None:
+        graphs = DecodeGraphs(engine.model, engine.pool, engine.runner.backend,
+                              engine.slot_table, 4, engine.max_model_len)
+        for size in graphs.sizes:
+            stand_in = _EagerGraph(graphs, size)
+            graphs.graphs[size] = (stand_in, stand_in.logits)
+        engine.runner.graphs = graphs
+    runs = []
+    original = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda works: runs.append(
+        sum(len(w.kv_rotations) for w in works)) or original(works))
+    S = random_prompt(9, seed=90)
+    A, B, C = random_prompt(14, seed=91), random_prompt(8, seed=92), random_prompt(11, seed=93)
+    run(llm, hf, [rag(S, [A, B, C], random_prompt(5, seed=94), layout=layout),
+                  plain(random_prompt(12, seed=95)),
+                  rag(S, [C, A], random_prompt(4, seed=96), layout=layout)])
+    run(llm, hf, [rag(S, [B], random_prompt(6, seed=97), layout=layout),
+                  plain(random_prompt(7, seed=98))])
+    assert runs and max(runs) > 0 and min(runs) < max(runs)
+
+
 def test_dynamic_rope_refuses_re_positioning(checkpoint):
     """Dynamic-NTK frequencies depend on the sequence length, so a rotated key would not be
     the key at its new position: re-positioning layouts are refused, clearly."""

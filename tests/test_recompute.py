@@ -250,6 +250,35 @@ def test_recompute_on_the_triton_backend(llama):
         llm.check_integrity()
 
 
+@pytest.mark.parametrize("method", ["sink+blend", "query"])
+def test_partial_recompute_on_the_triton_backend_equals_the_torch_backend(llama, method):
+    """Between the ends, recomputed tokens sit among cached ones (`query_index`) and the
+    cached chunks are re-positioned: the extend kernel takes both in its loads. Same tokens
+    and first-token logprobs as the torch backend, cold and warm, batched."""
+    pytest.importorskip("triton")
+    path, _ = llama
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    S, A, B, C = (random_prompt(n, seed=140 + n) for n in (7, 19, 11, 23))
+    prompts = [[rc(S, [A, B], random_prompt(4, seed=150), method, 0.4),
+                rc(S, [C, A], random_prompt(6, seed=151), method, 0.25)],
+               [rc(S, [B, C, A], random_prompt(5, seed=152), method, 0.5)]]
+    results = []
+    for backend in ("torch", "triton"):
+        llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
+                       dtype="float32", attention_backend=backend)
+        outs = [o for batch in prompts
+                for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        llm.check_integrity()
+        assert all(o.metrics.num_recomputed_tokens > 0 for o in outs)
+        results.append(outs)
+    for want, got in zip(*results, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        first_want, first_got = want.outputs[0].logprobs[0], got.outputs[0].logprobs[0]
+        assert first_got.keys() == first_want.keys()
+        for tid, lp in first_got.items():
+            assert abs(lp.logprob - first_want[tid].logprob) < TOL, (tid, lp.logprob)
+
+
 def test_recompute_as_engine_default_and_in_stats(llama):
     path, hf = llama
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,

@@ -113,6 +113,100 @@ def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torc
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+def _turn_tables(deltas: list[int], head_dim: int, device: str):
+    """AttentionMetadata's rotation tables: cos, sin turning a query back by each delta."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = -torch.tensor(deltas, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+def _repositioned(spec: dict, rng: random.Random) -> list[tuple[tuple[int, int, int], ...]]:
+    """Random re-positioned ranges over each sequence's KV list: none for some sequences, one
+    to three disjoint ascending ranges for the others (delta table rows 0..3, shared)."""
+    out = []
+    for k in spec["kv_lens"]:
+        if k < 4 or rng.random() < 0.3:
+            out.append(())
+            continue
+        cuts = sorted(rng.sample(range(1, k), min(k - 1, 2 * rng.randint(1, 3))))
+        out.append(tuple((a, b, rng.randrange(4)) for a, b in zip(cuts[::2], cuts[1::2],
+                                                                    strict=False) if a < b))
+    return out
+
+
+def _indexed(spec: dict, rng: random.Random, device: str) -> dict:
+    """Turns the "chunk" and "question" sequences of a `_batch` spec into selectively
+    recomputed ones: queries at random entries of the list (the last always among them),
+    each attending up to its own entry, writing its K/V there."""
+    spec = dict(spec)
+    q_lens, q_starts, index, writes = [], [], [], []
+    total = 0
+    for i, slots in enumerate(spec["kv_indices"]):
+        k, q = spec["kv_lens"][i], spec["q_lens"][i]
+        at = None
+        if q > 1 and k > q:
+            at = sorted(set(rng.sample(range(k - 1), rng.randint(1, min(k - 1, 24))))
+                        | {k - 1})
+            q = len(at)
+        q_lens.append(q)
+        q_starts.append(total)
+        total += q
+        index.append(None if at is None else torch.tensor(at, device=device))
+        writes.append(slots[k - q:] if at is None else slots[index[-1]])
+    spec.update(q_lens=q_lens, q_starts=q_starts, query_index=index,
+                write_slots=torch.cat(writes).long(),
+                self_only=[q == k for q, k in zip(q_lens, spec["kv_lens"], strict=True)])
+    return spec, total
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, device: str,
+                                                                dtype: torch.dtype, splits,
+                                                                monkeypatch):
+    """Re-positioned key ranges (turned in the kernels' K loads) and queries at given entries
+    of their list (selective recompute) against the torch backend, which turns the queries
+    instead and masks explicitly: decode rows, extend rows, KV splits, shared chunk slots."""
+    heads, kv_heads, head_dim, kinds = CASES[case]
+    if splits is not None:
+        monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    rng = random.Random(100 + case)
+    spec, _ = _batch(rng, 2048, 512, kinds, device)
+    spec, total = _indexed(spec, rng, device)
+    rotations = _repositioned(spec, rng)
+    cos, sin = _turn_tables([7, -3, 250, 1000], head_dim, device)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        pool = KVPool(1, 2048, kv_heads, head_dim, dtype, torch.device(device))
+        gen = torch.Generator().manual_seed(case)
+        pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
+        q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device, dtype)
+                   for h in (heads, kv_heads, kv_heads))
+        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads,
+                                 rotations=rotations, rotation_cos=cos, rotation_sin=sin)
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
+        outs.append(pool.kv.float())
+    ref, ref_pool, got, got_pool = outs
+    assert torch.equal(ref_pool, got_pool)
+    assert torch.isfinite(got).all()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    # The kernels took them (no torch fallback is left in the Triton backend).
+    state = meta.backend_state
+    decode = [i for i, q in enumerate(spec["q_lens"]) if q == 1 and spec["prefix"][i]]
+    extend = [i for i in range(len(kinds)) if i not in decode]
+    if any(rotations[i] for i in decode):
+        assert state.decode.turns is not None
+    if any(rotations[i] for i in extend):
+        assert state.extend.turns is not None
+    if any(spec["query_index"][i] is not None for i in extend):
+        assert state.extend.q_limit is not None
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits", [2, 5])
 def test_extend_kv_splits_merge_exactly(device: str, splits: int, monkeypatch):
@@ -132,7 +226,7 @@ def test_extend_kv_splits_merge_exactly(device: str, splits: int, monkeypatch):
         meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5))
-    assert meta.backend_state.splits == splits
+    assert meta.backend_state.extend.splits == splits
     ref, got = outs
     assert torch.isfinite(got).all()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5

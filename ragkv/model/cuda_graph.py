@@ -8,6 +8,11 @@ positions, each sequence's slot-table row and KV length. The slots to write and 
 the slot table on the device (the new token's slot is `table[row, kv_len - 1]`), so nothing the
 graph reads is rebuilt on the host. A batch is padded to the next captured size with entries
 that point at the table's padding row (slot 0, never read unmasked).
+
+Re-positioned chunks stay in the graph: each sequence's ranges of keys seen turned by a delta
+(at most MAX_RANGES) and the cos/sin rows of the step's distinct deltas (at most MAX_TURNS)
+are two more persistent buffers, filled only on steps that have any; the decode kernel skips
+the turning at run time for a sequence with no range.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from .attention import AttentionMetadata
 from .llama import CausalLM
 from .triton_attention import (
     DecodeBatch,
+    KeyTurns,
     TritonAttentionBackend,
     _TritonState,
     decode_scratch,
@@ -32,6 +38,11 @@ from .triton_attention import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Re-positioned ranges per sequence and distinct deltas per step a graph takes; a step with
+# more runs eagerly (through the same kernels).
+MAX_RANGES = 32
+MAX_TURNS = 64
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -55,10 +66,18 @@ class DecodeGraphs:
         self.dynamic_rope = model.rotary.dynamic
         self.max_positions = model.config.max_position_embeddings
         device = pool.kv.device
-        # Rows: ids, positions, slot-table rows, KV lengths; filled by one copy per step.
-        self.inputs = torch.zeros(4, self.max_batch, dtype=torch.long, device=device)
+        # Rows: ids, positions, slot-table rows, KV lengths, re-positioned ranges; filled by
+        # one copy per step.
+        self.inputs = torch.zeros(5, self.max_batch, dtype=torch.long, device=device)
         self.inputs[2].fill_(PAD_ROW)
         self.inputs[3].fill_(1)
+        # Each sequence's ranges (start, end, row of the turn tables), and the tables: cos,
+        # sin turning a key forward by each delta of the step.
+        self.ranges = torch.zeros(self.max_batch, MAX_RANGES, 3, dtype=torch.int32,
+                                  device=device)
+        head_dim = model.config.head_dim
+        self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
+        self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
         self.q_rows = torch.arange(self.max_batch, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(self.max_batch, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -79,7 +98,7 @@ class DecodeGraphs:
 
     def _forward(self, size: int, splits: int,
                  scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        ids, positions, rows, kv_lens = (t[:size] for t in self.inputs)
+        ids, positions, rows, kv_lens, num_ranges = (t[:size] for t in self.inputs)
         meta = AttentionMetadata(
             q_lens=[1] * size, kv_lens=[1] * size, q_starts=list(range(size)), kv_indices=[],
             write_slots=self.slot_table.table[rows, kv_lens - 1].long(),
@@ -89,14 +108,22 @@ class DecodeGraphs:
         )
         meta.backend_state = _TritonState(decode=DecodeBatch(
             rows=rows, kv_lens=kv_lens, q_rows=self.q_rows[:size], num_splits=splits,
-            scratch=scratch))
+            scratch=scratch, turns=KeyTurns(ranges=self.ranges[:size], cos=self.turn_cos,
+                                            sin=self.turn_sin, index=num_ranges,
+                                            max_ranges=MAX_RANGES)))
         return self.model(ids, positions, self.logits_rows[:size], self.pool, meta, self.backend)
 
-    def _capture(self, size: int, mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def plan(self, size: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
+        """KV splits and scratch buffers of the graph for `size` sequences: splits are chosen
+        for the longest sequence the engine admits, since the graph serves every length."""
         device = self.inputs.device
         splits = decode_splits(size, self.pool.k.shape[2], self.max_model_len, device)
         mc = self.model.config
-        scratch = decode_scratch(size, mc.num_heads, mc.head_dim, splits, device)
+        return splits, decode_scratch(size, mc.num_heads, mc.head_dim, splits, device)
+
+    def _capture(self, size: int, mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        device = self.inputs.device
+        splits, scratch = self.plan(size)
         # Warm up outside the graph (compiles the kernels, sets up cuBLAS), on a side stream
         # as capture requires.
         stream = torch.cuda.Stream(device)
@@ -112,17 +139,20 @@ class DecodeGraphs:
 
     def can_run(self, works: Sequence) -> bool:
         """Only pure decode batches: one new token per sequence whose KV list is its whole
-        row so far (the last entry being the new token's slot), with no re-positioned keys."""
+        row so far (the last entry being the new token's slot), with at most MAX_RANGES
+        re-positioned ranges each and MAX_TURNS distinct deltas in all."""
         if not works or len(works) > self.max_batch:
             return False
+        deltas = set()
         for w in works:
             spans = w.kv_spans
             if (len(w.token_ids) != 1 or len(spans) != 1 or spans[0][0] != 0
-                    or not w.sample or w.kv_rotations):
+                    or not w.sample or len(w.kv_rotations) > MAX_RANGES):
                 return False
             if self.dynamic_rope and w.positions[0] >= self.max_positions:
                 return False
-        return True
+            deltas.update(d for _, _, d in w.kv_rotations)
+        return len(deltas) <= MAX_TURNS
 
     def run(self, works: Sequence) -> torch.Tensor:
         n = len(works)
@@ -133,8 +163,27 @@ class DecodeGraphs:
             [w.positions[0] for w in works] + [0] * pad,
             [w.request.kv.row for w in works] + [PAD_ROW] * pad,
             [w.kv_spans[0][1] for w in works] + [1] * pad,
+            [len(w.kv_rotations) for w in works] + [0] * pad,
         ], dtype=torch.long)
         self.inputs[:, :size].copy_(host, non_blocking=True)
+        if any(w.kv_rotations for w in works):
+            self._fill_turns(works)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
+
+    def _fill_turns(self, works: Sequence) -> None:
+        """The ranges of the step's re-positioned keys and the cos/sin of their deltas."""
+        width = max(len(w.kv_rotations) for w in works)
+        deltas: dict[int, int] = {}  # delta -> its row of the turn tables
+        rows = []
+        for w in works:
+            row = [(start, end, deltas.setdefault(delta, len(deltas)))
+                   for start, end, delta in w.kv_rotations]
+            rows.append(row + [(0, 0, 0)] * (width - len(row)))
+        ranges = torch.tensor(rows, dtype=torch.int32)
+        self.ranges[:len(works), :width].copy_(ranges, non_blocking=True)
+        # rotation(d) turns a key rotated for position p into the key for p + d.
+        cos, sin = self.model.rotary.rotation(list(deltas))
+        self.turn_cos[:len(deltas)].copy_(cos)
+        self.turn_sin[:len(deltas)].copy_(sin)

@@ -12,6 +12,15 @@ causal, positions separate, GQA):
   table, read on the device: nothing about a decode step's KV is built on the host, which is
   what lets a CUDA graph replay it.
 
+Both take the two RAG additions to the contract in their loads, so no sequence leaves the
+kernels:
+- re-positioned key ranges (a cached chunk placed elsewhere than where its keys were rotated):
+  each entry's key is turned by its range's delta as it is loaded (`_turn_keys`), from a small
+  table of cos/sin rows, one per distinct delta of the step. The pool is never written;
+- query entries (`query_index`: selectively recomputed chunk tokens scattered among cached
+  ones): the extend kernel takes each query's last visible entry from a per-token array
+  instead of the bottom-right diagonal.
+
 Triton is imported lazily (it ships with CUDA builds of PyTorch). With TRITON_INTERPRET=1 the
 kernels run on CPU tensors through Triton's interpreter, which is how CPU-only CI tests them.
 """
@@ -24,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.kv_pool import KVPool
-from .attention import AttentionMetadata, attend_rotated
+from .attention import AttentionMetadata
 
 try:
     import triton
@@ -50,18 +59,49 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, diag,
-                      offs_m, offs_d, d_valid, stride_kt, qk_scale,
-                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-        """One block of KV entries folded into the running softmax (base-2 exponentials)."""
+    def _turn_keys(k, k_base, slots, offs_n, n_valid, offs_d, d_valid, stride_kt, ranges,
+                   r_lo, r_hi, turn_cos, turn_sin, HEAD_DIM: tl.constexpr):
+        """K rows [BLOCK_N, BLOCK_D] of entries `offs_n`, each turned by the delta of the range
+        covering it (ranges r_lo .. r_hi of `ranges`, rows of (start, end, table row)); entries
+        no range covers come back unchanged. In float32, rounded to the pool's dtype for the
+        dot as the stored keys are."""
+        turn = tl.zeros_like(offs_n) - 1  # -1: as stored
+        for r in range(r_lo, r_hi):
+            a = tl.load(ranges + 3 * r)
+            b = tl.load(ranges + 3 * r + 1)
+            row = tl.load(ranges + 3 * r + 2)
+            turn = tl.where((offs_n >= a) & (offs_n < b), row, turn)
+        half: tl.constexpr = HEAD_DIM // 2
+        mask = ((turn >= 0) & n_valid)[:, None] & d_valid[None, :]
+        # rotate_half's partner of each element: x1 * c - x2 * s, x2 * c + x1 * s.
+        pair = tl.where(offs_d < half, offs_d + half, offs_d - half)
+        sign = tl.where(offs_d < half, -1.0, 1.0)
+        k_pair = tl.load(k_base + slots[:, None] * stride_kt + pair[None, :], mask=mask,
+                         other=0.0)
+        row_offs = turn.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
+        c = tl.load(turn_cos + row_offs, mask=mask, other=1.0)
+        s = tl.load(turn_sin + row_offs, mask=mask, other=0.0)
+        turned = k.to(tl.float32) * c + k_pair.to(tl.float32) * (s * sign[None, :])
+        return turned.to(k.dtype)
+
+    @triton.jit
+    def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, lim,
+                      offs_d, d_valid, stride_kt, qk_scale, ranges, r_lo, r_hi, turn_cos,
+                      turn_sin, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      PRECISION: tl.constexpr, ROTATE: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One block of KV entries folded into the running softmax (base-2 exponentials).
+        Row i sees the entries up to lim[i] of the list."""
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < hi
         slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
         k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
                     mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        if ROTATE:
+            k = _turn_keys(k, k_base, slots, offs_n, n_valid, offs_d, d_valid, stride_kt,
+                           ranges, r_lo, r_hi, turn_cos, turn_sin, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:  # the block crosses the causal diagonal or the end of the list
-            visible = (offs_n[None, :] <= diag + offs_m[:, None]) & n_valid[None, :]
+            visible = (offs_n[None, :] <= lim[:, None]) & n_valid[None, :]
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen nothing yet (a later KV split) keeps -inf safely.
@@ -82,17 +122,21 @@ if triton is not None:
     #
     # With SPLITS > 1 each (sequence, query block, head) is cut further along the KV list and
     # the slices go to mid_o / mid_lse (indexed by the token's place among the extend tokens,
-    # `mid_starts`), merged afterwards: a few query tokens over a long cached context (the
+    # `tok_starts`), merged afterwards: a few query tokens over a long cached context (the
     # question of a warm RAG request) would otherwise run on a handful of multiprocessors.
-    @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "mid_starts"])
+    # ROTATE: sequence i's ranges are rows rot_indptr[i] .. rot_indptr[i+1] of `ranges`.
+    # INDEXED: query t of a sequence sees entries 0 .. q_limit[tok_starts[i] + t].
+    @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "tok_starts",
+                                   "rot_indptr", "ranges", "q_limit"])
     def _extend_kernel(
-        Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, mid_starts, mid_o, mid_lse,
+        Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, tok_starts, mid_o, mid_lse,
+        rot_indptr, ranges, turn_cos, turn_sin, q_limit,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         stride_mb, stride_mh,
         qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        SPLITS: tl.constexpr,
+        SPLITS: tl.constexpr, ROTATE: tl.constexpr, INDEXED: tl.constexpr,
     ):
         seq = tl.program_id(0)
         block = tl.program_id(1)
@@ -111,15 +155,30 @@ if triton is not None:
         d_valid = offs_d < HEAD_DIM
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
                     + offs_d[None, :], mask=m_valid[:, None] & d_valid[None, :], other=0.0)
-        # Query t (of q_len) sees entries 0 .. kv_len - q_len + t of the list.
-        diag = kv_len - q_len
-        hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
+        # Row i sees entries 0 .. lim[i]; `hi` ends the entries any row of the block sees and
+        # `edge` the ones every row sees.
+        if INDEXED:
+            # Rows past the sequence's queries see entry 0 only: finite, never stored.
+            lim = tl.load(q_limit + tl.load(tok_starts + seq) + offs_m, mask=m_valid, other=0)
+            hi = tl.minimum(kv_len, tl.max(lim, 0) + 1)
+            edge = tl.min(tl.where(m_valid, lim, kv_len), 0) + 1
+        else:  # bottom-right causal: query t (of q_len) sees entries 0 .. kv_len - q_len + t
+            diag = kv_len - q_len
+            lim = diag + offs_m
+            hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
+            edge = diag + block * BLOCK_M + 1
+        if ROTATE:
+            r_lo = tl.load(rot_indptr + seq)
+            r_hi = tl.load(rot_indptr + seq + 1)
+        else:
+            r_lo = 0
+            r_hi = 0
         # This program's slice [lo, end) of the entries the block attends to.
         per_split = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * per_split
         end = tl.minimum(lo + per_split, hi)
         # Blocks wholly visible to every row of this query block need no mask.
-        full = tl.minimum(tl.minimum(diag + block * BLOCK_M + 1, hi) // BLOCK_N * BLOCK_N, end)
+        full = tl.minimum(tl.minimum(edge, hi) // BLOCK_N * BLOCK_N, end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -127,12 +186,14 @@ if triton is not None:
         v_base = V + kv_head * stride_kh
         for start in range(lo, full, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
-                                          start, hi, diag, offs_m, offs_d, d_valid, stride_kt,
-                                          qk_scale, BLOCK_N, False, PRECISION)
+                                          start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
+                                          ranges, r_lo, r_hi, turn_cos, turn_sin, BLOCK_N,
+                                          False, PRECISION, ROTATE, HEAD_DIM)
         for start in range(tl.maximum(lo, full), end, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
-                                          start, hi, diag, offs_m, offs_d, d_valid, stride_kt,
-                                          qk_scale, BLOCK_N, True, PRECISION)
+                                          start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
+                                          ranges, r_lo, r_hi, turn_cos, turn_sin, BLOCK_N,
+                                          True, PRECISION, ROTATE, HEAD_DIM)
         if SPLITS == 1:  # entry 0 is in every row's view, so l_i > 0
             out = acc / l_i[:, None]
             tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
@@ -142,25 +203,37 @@ if triton is not None:
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            row = tl.load(mid_starts + seq) + offs_m
+            row = tl.load(tok_starts + seq) + offs_m
             base = row * stride_mb + head * stride_mh + split  # mid_lse [T, H, S]
             tl.store(mid_lse + base, lse, mask=m_valid)
             tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
                      mask=m_valid[:, None] & d_valid[None, :])
 
-    @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits"])
+    # ROTATE: row b's re-positioned ranges are rows b * max_ranges .. + rot_counts[b] of
+    # `ranges` (a row without any skips the turning at run time, so one compiled kernel, and
+    # one captured graph, serves batches with and without them).
+    @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits", "rot_counts",
+                                   "ranges", "max_ranges"])
     def _decode_kernel(
         Q, K, V, table, rows, kv_lens, q_rows, mid_o, mid_lse,
+        rot_counts, ranges, turn_cos, turn_sin, max_ranges,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
         stride_mb, stride_mh, stride_ms,
         qk_scale, num_splits,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        ROTATE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         kv_len = tl.load(kv_lens + b)
+        if ROTATE:
+            r_lo = b * max_ranges
+            r_hi = r_lo + tl.load(rot_counts + b)
+        else:
+            r_lo = 0
+            r_hi = 0
         row = tl.load(rows + b).to(tl.int64)
         q_row = tl.load(q_rows + b).to(tl.int64)
         per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
@@ -185,6 +258,11 @@ if triton is not None:
                             other=0).to(tl.int64)
             k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            if ROTATE:  # noqa: SIM102 (compile time, then run time per sequence)
+                if r_hi > r_lo:
+                    k = _turn_keys(k, k_base, slots, offs_n, n_valid, offs_d, d_valid,
+                                   stride_kt, ranges, r_lo, r_hi, turn_cos, turn_sin,
+                                   HEAD_DIM)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             qk = tl.where(n_valid[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -251,15 +329,43 @@ def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int,
     return max(1, min(MAX_SPLITS, -(-2 * sms // programs), max(kv_lens) // 512))
 
 
+@dataclass(slots=True)
+class KeyTurns:
+    """Re-positioned key ranges of one kernel launch.
+
+    `ranges`: int32 rows of (start, end, table row), entries start .. end-1 of a sequence's KV
+    list seen turned by row `table row` of `cos` / `sin` ([rows, head_dim] float32, turning a
+    key forward by its range's delta). `index`: for `extend`, where each sequence's rows
+    start ([num_seqs + 1]); for `decode`, how many rows each sequence has ([B]), its rows
+    starting at b * `max_ranges`."""
+
+    ranges: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    index: torch.Tensor
+    max_ranges: int = 0
+
+
+def key_turn_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin turning keys forward by each delta of the step. The metadata's tables turn
+    queries back (by minus the delta): the same cosines, negated sines."""
+    return meta.rotation_cos.contiguous(), (-meta.rotation_sin).contiguous()
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, kv_index: torch.Tensor, kv_indptr: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, max_q_len: int,
-                     scale: float, splits: int = 1,
-                     merge: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     scale: float, splits: int = 1, tok_starts: torch.Tensor | None = None,
+                     merge_rows: torch.Tensor | None = None,
+                     q_limit: torch.Tensor | None = None,
+                     turns: KeyTurns | None = None) -> None:
     """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
     (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`.
-    With `splits` > 1, `merge` = (mid_starts: each sequence's first place among the extend
-    tokens, rows: each extend token's row of `q`), both int32 on the device."""
+
+    `tok_starts` (int32 on the device): each sequence's first place among the launch's query
+    tokens, needed with `splits` > 1 (with `merge_rows`, each such token's row of `q`) or
+    `q_limit` (int32 per query token, by that place: the last entry of the list it sees,
+    replacing the bottom-right diagonal). `turns`: re-positioned key ranges."""
     num_seqs = q_starts.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[1]
@@ -275,21 +381,27 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:  # the interpreter: small tiles keep it quick
         block_m, block_n, num_warps, num_stages = 16, 16, 1, 1
     if splits > 1:
-        mid_starts, rows = merge
-        mid_o, mid_lse = decode_scratch(rows.numel(), heads, head_dim, splits, q.device)
+        mid_o, mid_lse = decode_scratch(merge_rows.numel(), heads, head_dim, splits, q.device)
     else:
-        mid_starts, mid_o, mid_lse = q_starts, out, out  # unused
+        mid_o, mid_lse = out, out  # unused
+    unused = q_starts
+    rotate = turns is not None
     grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads * splits)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens, mid_starts, mid_o,
-        mid_lse, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
+        unused if tok_starts is None else tok_starts, mid_o, mid_lse,
+        turns.index if rotate else unused, turns.ranges if rotate else unused,
+        turns.cos if rotate else out, turns.sin if rotate else out,
+        unused if q_limit is None else q_limit,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=precision, SPLITS=splits, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=precision, SPLITS=splits, ROTATE=rotate, INDEXED=q_limit is not None,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        _merge_kernel[(rows.numel(), heads)](
-            mid_o, mid_lse, out, rows, out.stride(0), out.stride(1),
+        _merge_kernel[(merge_rows.numel(), heads)](
+            mid_o, mid_lse, out, merge_rows, out.stride(0), out.stride(1),
             mid_lse.stride(0), mid_lse.stride(1), splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)),
             num_warps=4 if q.device.type == "cuda" else 1,
@@ -309,11 +421,11 @@ def decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: torch.
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                      kv_lens: torch.Tensor, q_rows: torch.Tensor, num_splits: int,
-                     scale: float, scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-                     ) -> None:
+                     scale: float, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     turns: KeyTurns | None = None) -> None:
     """One query row per sequence (`q[q_rows[b]]`) over the first `kv_lens[b]` slots of
-    `table[rows[b]]`, written into `out[q_rows[b]]`. Reads lengths and rows on the device
-    only, so a captured graph replays it for any lengths."""
+    `table[rows[b]]`, written into `out[q_rows[b]]`. Reads lengths, rows and re-positioned
+    ranges (`turns`) on the device only, so a captured graph replays it for any of them."""
     batch = rows.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
@@ -325,14 +437,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cuda = q.device.type == "cuda"
+    rotate = turns is not None
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, kv_lens, q_rows, mid_o, mid_lse,
+        turns.index if rotate else rows, turns.ranges if rotate else rows,
+        turns.cos if rotate else mid_o, turns.sin if rotate else mid_o,
+        turns.max_ranges if rotate else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, num_warps=4 if cuda else 1,
-        num_stages=2 if cuda else 1,
+        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, ROTATE=rotate,
+        num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
     )
     _merge_kernel[(batch, heads)](
         mid_o, mid_lse, out, q_rows, out.stride(0), out.stride(1),
@@ -359,19 +475,29 @@ class DecodeBatch:
     q_rows: torch.Tensor  # [B] int32: its query row in the step's tokens
     num_splits: int
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+    turns: KeyTurns | None = None
+
+
+@dataclass(slots=True)
+class _ExtendBatch:
+    """Device inputs of one extend launch (see `extend_attention`)."""
+
+    kv_index: torch.Tensor
+    kv_indptr: torch.Tensor
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    max_q_len: int
+    splits: int = 1
+    tok_starts: torch.Tensor | None = None
+    merge_rows: torch.Tensor | None = None
+    q_limit: torch.Tensor | None = None
+    turns: KeyTurns | None = None
 
 
 @dataclass(slots=True)
 class _TritonState:
     decode: DecodeBatch | None = None
-    extend: tuple[torch.Tensor, ...] | None = None  # kv_index, kv_indptr, q_starts, q_lens
-    max_q_len: int = 0
-    splits: int = 1
-    merge: tuple[torch.Tensor, torch.Tensor] | None = None  # see extend_attention
-    # Sequences with re-positioned keys: (index, its KV slots, its mask or None). They go
-    # through the torch path of attention.py; a kernel that rotates in its K loads (or its
-    # queries per range) is the GPU backend's next step.
-    rotated: list[tuple[int, torch.Tensor, torch.Tensor | None]] | None = None
+    extend: _ExtendBatch | None = None
 
 
 def indptr_of(lengths: list[int]) -> list[int]:
@@ -380,6 +506,10 @@ def indptr_of(lengths: list[int]) -> list[int]:
     for n in lengths:
         out.append(out[-1] + n)
     return out
+
+
+def _int32(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
 
 
 class TritonAttentionBackend:
@@ -396,15 +526,13 @@ class TritonAttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         state = _TritonState()
         device = meta.write_slots.device
-        decode, extend, rotated = [], [], []
+        decode, extend = [], []
         for i in range(meta.num_seqs):
-            if meta.rotated(i) or meta.indexed(i):
-                rotated.append((i, meta.kv_indices[i].long(), meta.mask(i, device)))
-            elif meta.q_lens[i] == 1 and meta.prefix[i]:
+            if meta.q_lens[i] == 1 and meta.prefix[i] and not meta.indexed(i):
                 decode.append(i)
             else:
                 extend.append(i)
-        state.rotated = rotated or None
+        tables = key_turn_tables(meta) if any(meta.rotations) else None
         if decode:
             host = torch.tensor([[meta.rows[i] for i in decode],
                                  [meta.kv_lens[i] for i in decode],
@@ -414,24 +542,56 @@ class TritonAttentionBackend:
             state.decode = DecodeBatch(
                 rows=dev[0], kv_lens=dev[1], q_rows=dev[2],
                 num_splits=decode_splits(len(decode), meta.num_kv_heads, max_kv, device))
+            if tables is not None and any(meta.rotated(i) for i in decode):
+                per_seq = [meta.rotations[i] for i in decode]
+                width = max(len(r) for r in per_seq)
+                flat = [0] * (3 * width * len(decode))
+                for b, ranges in enumerate(per_seq):
+                    for j, rng in enumerate(ranges):
+                        flat[3 * (b * width + j):3 * (b * width + j + 1)] = rng
+                state.decode.turns = KeyTurns(
+                    ranges=_int32(flat, device), cos=tables[0], sin=tables[1],
+                    index=_int32([len(r) for r in per_seq], device), max_ranges=width)
         if extend:
-            kv_index = torch.cat([meta.kv_indices[i] for i in extend])
-            indptr = indptr_of([meta.kv_lens[i] for i in extend])
-            host = torch.tensor([indptr, [meta.q_starts[i] for i in extend] + [0],
-                                 [meta.q_lens[i] for i in extend] + [0]], dtype=torch.int32)
-            dev = host.to(device, non_blocking=True)
-            state.extend = (kv_index, dev[0], dev[1, :-1], dev[2, :-1])
-            q_lens = [meta.q_lens[i] for i in extend]
-            state.max_q_len = max(q_lens)
-            state.splits = extend_splits(q_lens, [meta.kv_lens[i] for i in extend],
-                                         meta.num_heads, device)
-            if state.splits > 1:
+            state.extend = self._prepare_extend(meta, extend, tables, device)
+        meta.backend_state = state
+
+    @staticmethod
+    def _prepare_extend(meta: AttentionMetadata, extend: list[int],
+                        tables: tuple[torch.Tensor, torch.Tensor] | None,
+                        device: torch.device) -> _ExtendBatch:
+        q_lens = [meta.q_lens[i] for i in extend]
+        kv_lens = [meta.kv_lens[i] for i in extend]
+        host = torch.tensor([indptr_of(kv_lens), [meta.q_starts[i] for i in extend] + [0],
+                             q_lens + [0]], dtype=torch.int32)
+        dev = host.to(device, non_blocking=True)
+        batch = _ExtendBatch(
+            kv_index=torch.cat([meta.kv_indices[i] for i in extend]), kv_indptr=dev[0],
+            q_starts=dev[1, :-1], q_lens=dev[2, :-1], max_q_len=max(q_lens),
+            splits=extend_splits(q_lens, kv_lens, meta.num_heads, device))
+        indexed = any(meta.indexed(i) for i in extend)
+        if batch.splits > 1 or indexed:
+            rows = []
+            if batch.splits > 1:
                 rows = [t for i in extend
                         for t in range(meta.q_starts[i], meta.q_starts[i] + meta.q_lens[i])]
-                host = torch.tensor(indptr_of(q_lens)[:-1] + rows, dtype=torch.int32)
-                dev = host.to(device, non_blocking=True)
-                state.merge = (dev[:len(extend)], dev[len(extend):])
-        meta.backend_state = state
+            dev = _int32(indptr_of(q_lens)[:-1] + rows, device)
+            batch.tok_starts = dev[:len(extend)]
+            batch.merge_rows = dev[len(extend):] if rows else None
+        if indexed:
+            # Each query's last visible entry: its own entry of the list.
+            batch.q_limit = torch.cat([
+                meta.query_index[i].to(torch.int32) if meta.indexed(i) else torch.arange(
+                    meta.kv_lens[i] - meta.q_lens[i], meta.kv_lens[i], dtype=torch.int32,
+                    device=device)
+                for i in extend])
+        if tables is not None and any(meta.rotated(i) for i in extend):
+            per_seq = [meta.rotations[i] if meta.rotated(i) else () for i in extend]
+            flat = [x for ranges in per_seq for rng in ranges for x in rng]
+            batch.turns = KeyTurns(
+                ranges=_int32(flat, device), cos=tables[0], sin=tables[1],
+                index=_int32(indptr_of([len(r) for r in per_seq]), device))
+        return batch
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -445,14 +605,13 @@ class TritonAttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         state: _TritonState = meta.backend_state
         out = torch.empty_like(q)
-        for i, index, mask in state.rotated or ():
-            attend_rotated(q, k_cache, v_cache, meta, i, index, mask, scale, out)
-        if state.extend is not None:
-            kv_index, indptr, q_starts, q_lens = state.extend
-            extend_attention(q, k_cache, v_cache, out, kv_index, indptr, q_starts, q_lens,
-                             state.max_q_len, scale, state.splits, state.merge)
+        e = state.extend
+        if e is not None:
+            extend_attention(q, k_cache, v_cache, out, e.kv_index, e.kv_indptr, e.q_starts,
+                             e.q_lens, e.max_q_len, scale, e.splits, e.tok_starts,
+                             e.merge_rows, e.q_limit, e.turns)
         d = state.decode
         if d is not None:
             decode_attention(q, k_cache, v_cache, out, meta.table, d.rows, d.kv_lens, d.q_rows,
-                             d.num_splits, scale, d.scratch)
+                             d.num_splits, scale, d.scratch, d.turns)
         return out
