@@ -40,6 +40,9 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         _check_int("seed", self.seed, optional=True)
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got "
+                             f"{self.seed!r}")
         _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
         if self.stop is None:
@@ -93,59 +96,126 @@ class SampleResult:
     top_logprobs: list[tuple[list[int], list[float], int] | None] = field(default_factory=list)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator]) -> SampleResult:
+# Counter-based random numbers. A row's draws come from a hash of (its sequence's 64-bit seed,
+# how many tokens the sequence has sampled, the vocabulary index), not from a generator with
+# state: every row of a batch is drawn by the same few tensor operations, without a loop over
+# rows or a device generator per request, and a seeded sequence gives the same tokens
+# whatever else is in the batch, whatever the engine did before, on any device (integer
+# arithmetic is exact everywhere). The hash is Wellons' lowbias32, applied twice.
+_MASK32 = 0xFFFFFFFF
+_LOWBIAS = (0x7FEB352D, 0x846CA68B)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) as int64, without leaving int64's range: the
+    constant in 16-bit halves keeps every product below 2^49."""
+    hi, lo = c >> 16, c & 0xFFFF
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _LOWBIAS[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, _LOWBIAS[1])
+    return x ^ (x >> 16)
+
+
+def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two 32-bit keys per row from its seed (64 bits, as int64) and step. Rows whose first keys
+    differ also differ in the second (a bijection of the first), so no two rows' draws are a
+    permutation of each other's."""
+    high = (seeds >> 32) & _MASK32  # the shift is arithmetic: keep the 32 bits, not the sign
+    k1 = _mix32(_mix32(_mix32(steps & _MASK32) ^ high) ^ (seeds & _MASK32))
+    return k1, _mix32(k1 ^ 0x9E3779B9)
+
+
+def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] float32 uniform in (0, 1): row b's draws for step `steps[b]` of the
+    sequence seeded `seeds[b]` (int64 tensors; a seed is any 64-bit pattern). On CUDA one Triton
+    kernel computes the same bits (triton_ops.uniform_noise)."""
+    k1, k2 = noise_keys(seeds, steps)
+    if seeds.is_cuda:
+        from .model import triton_ops
+
+        if triton_ops.available():
+            return triton_ops.uniform_noise(k1, k2, vocab)
+    index = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    x = _mix32(_mix32(index[None, :] ^ k1[:, None]) ^ k2[:, None])
+    # 24 bits, centred in their interval: never 0 or 1, exact in float32.
+    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+           steps: list[int]) -> SampleResult:
     """Sample one token per row of `logits` [B, V] (float32).
 
-    Each row draws from its own `torch.Generator`, so a seeded request gives the same tokens
-    whatever else is in the batch. Logprobs are of the raw model distribution (vLLM's default).
+    Row i draws from the counter-based stream of `seeds[i]` at position `steps[i]` (how many
+    tokens its sequence has sampled so far). Logprobs are of the raw model distribution
+    (vLLM's default). Everything stays on the logits' device until one transfer at the end.
     """
     logits = logits.float()
     batch = logits.shape[0]
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        chosen = _sample_rows(logits[rows], [params[i] for i in random_rows],
-                              [generators[i] for i in random_rows])
-        token_ids[rows] = chosen
-    token_list = token_ids.tolist()
-
+        chosen = _sample_rows(logits, random_rows, params, seeds, steps)
+        if len(random_rows) == batch:
+            token_ids = chosen
+        else:
+            token_ids[torch.tensor(random_rows, device=logits.device)] = chosen
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return SampleResult(token_ids.tolist(), [None] * batch, [None] * batch)
+    # Logprobs: the sampled token's, its rank and the top k, packed with the token ids into
+    # one float64 tensor (ids and ranks are exact there) for a single transfer.
+    rows = torch.tensor(want, device=logits.device)
+    logp = torch.log_softmax(logits[rows], dim=-1)
+    picked = token_ids[rows]
+    picked_logp = logp.gather(1, picked[:, None])
+    ranks = (logp > picked_logp).sum(dim=-1, keepdim=True) + 1
+    k_max = max(params[i].logprobs for i in want)
+    top_vals, top_ids = logp.topk(k_max, dim=-1)
+    packed = torch.cat([picked_logp.double(), ranks.double(), top_ids.double(),
+                        top_vals.double()], dim=1)
+    host = torch.cat([token_ids.double(), packed.flatten()]).tolist()
+    token_list = [int(t) for t in host[:batch]]
+    width = 2 + 2 * k_max
     token_logprobs: list[float | None] = [None] * batch
     top_logprobs: list[tuple[list[int], list[float], int] | None] = [None] * batch
-    want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
-        rows = torch.tensor(want, device=logits.device)
-        logp = torch.log_softmax(logits[rows], dim=-1)
-        picked = token_ids[rows]
-        picked_logp = logp.gather(1, picked[:, None])[:, 0]
-        ranks = (logp > picked_logp[:, None]).sum(dim=-1) + 1
-        k_max = max(params[i].logprobs for i in want)
-        top_vals, top_ids = logp.topk(k_max, dim=-1)
-        picked_logp_l, ranks_l = picked_logp.tolist(), ranks.tolist()
-        top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-        for j, i in enumerate(want):
-            k = params[i].logprobs
-            token_logprobs[i] = picked_logp_l[j]
-            top_logprobs[i] = (top_ids_l[j][:k], top_vals_l[j][:k], ranks_l[j])
+    for j, i in enumerate(want):
+        row = host[batch + j * width:batch + (j + 1) * width]
+        k = params[i].logprobs
+        token_logprobs[i] = row[0]
+        top_logprobs[i] = ([int(t) for t in row[2:2 + k]], row[2 + k_max:2 + k_max + k],
+                           int(row[1]))
     return SampleResult(token_list, token_logprobs, top_logprobs)
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, rows: list[int], all_params: list[SamplingParams],
+                 all_seeds: list[int], all_steps: list[int]) -> torch.Tensor:
+    """Token ids drawn for `rows` of `logits` after temperature, top-k, top-p and min-p.
+    Which truncations run is decided from the parameters on the host: no device sync."""
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    params = [all_params[i] for i in rows]
+    if len(rows) != logits.shape[0]:
+        logits = logits[torch.tensor(rows, device=device)]
     vocab = logits.shape[-1]
+    # One host-to-device transfer for the per-row settings.
+    settings = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                             [p.min_p for p in params]], dtype=torch.float32).to(device)
+    temps, top_p, min_p = settings[0], settings[1], settings[2]
+    logits = logits / temps[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    if any(k < vocab for k in top_k):
+    if min(top_k) < vocab:
+        k_max = max(top_k)
         k_tensor = torch.tensor(top_k, device=device)
-        sorted_desc = logits.sort(dim=-1, descending=True).values
-        kth = sorted_desc.gather(1, (k_tensor - 1)[:, None])
+        # The k-th largest of each row; topk of the largest k asked is cheaper than a sort.
+        best = logits.topk(k_max, dim=-1).values
+        kth = best.gather(1, (k_tensor - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
-    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=probs.dtype)
-    if bool((top_p < 1.0).any()):
+    if any(p.top_p < 1.0 for p in params):
         sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
         # Keep the smallest set whose mass reaches top_p: drop a token when the mass strictly
         # before it already reaches top_p. The top token is always kept.
@@ -154,14 +224,12 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, sorted_idx, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    chosen = torch.empty(len(params), dtype=torch.long, device=device)
-    for i, gen in enumerate(generators):
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p exactly.
-        noise = torch.empty(vocab, device=device, dtype=probs.dtype).exponential_(generator=gen)
-        chosen[i] = (probs[i] / noise).argmax()
-    return chosen
+    keys = torch.tensor([[all_seeds[i] for i in rows], [all_steps[i] for i in rows]],
+                        dtype=torch.int64).to(device)
+    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p exactly (no
+    # renormalisation needed: it does not change the argmax).
+    exponential = -torch.log(uniform_noise(keys[0], keys[1], vocab))
+    return (probs / exponential).argmax(dim=-1)

@@ -379,7 +379,7 @@ def _scheduler_request(spec):
     layout = PromptLayout.build(2, [4, 4], "sequential", "isolated")
     tokens = S + [t for c in C for t in c] + Q
     req = Request(request_id="a", parent_id="a", index=0, prompt=None,
-                  prompt_token_ids=tokens, params=GREEDY, generator=torch.Generator(),
+                  prompt_token_ids=tokens, params=GREEDY, seed=0,
                   max_tokens=2, stop_ids=frozenset(), metrics=None, layout=layout,
                   system=tuple(S), chunks=tuple(C), namespace="n", kv=SeqKV(),
                   recompute=spec)

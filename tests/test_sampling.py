@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv import LLM, SamplingParams
-from ragkv.sampling import sample
+from ragkv.sampling import noise_keys, sample, uniform_noise
 
 PROMPT = "The garden is green and"
 SEEDED = SamplingParams(temperature=1.0, seed=123, max_tokens=10)
@@ -76,8 +76,9 @@ def test_greedy_ignores_seed_and_matches_argmax_chain(llm):
 # --------------------------------------------------------------------------- sample() directly
 
 
-def gens(n: int, base: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(base + i) for i in range(n)]
+def seeds(n: int, base: int = 0) -> tuple[list[int], list[int]]:
+    """Seeds base .. base + n - 1, each at step 0."""
+    return list(range(base, base + n)), [0] * n
 
 
 def random_logits(rows: int = 8, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -98,7 +99,7 @@ def random_logits(rows: int = 8, vocab: int = 50, seed: int = 0) -> torch.Tensor
         "temp0", "temp_below_eps", "temp0_with_filters"])
 def test_degenerate_settings_equal_argmax(params):
     logits = random_logits()
-    result = sample(logits, [params] * 8, gens(8))
+    result = sample(logits, [params] * 8, *seeds(8))
     assert result.token_ids == logits.argmax(dim=-1).tolist()
     assert result.token_logprobs == [None] * 8
 
@@ -108,12 +109,53 @@ def test_rows_are_independent_of_the_batch():
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
               for t, k, p, m in [(1.0, 0, 1.0, 0.0), (0.0, 0, 1.0, 0.0), (0.7, 20, 1.0, 0.0),
                                  (1.2, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.05), (0.0, 3, 0.5, 0.0)]]
-    batched = sample(logits, params, gens(6, base=10)).token_ids
+    batched = sample(logits, params, *seeds(6, base=10)).token_ids
     for i in range(6):
-        alone = sample(logits[i:i + 1], [params[i]], [torch.Generator().manual_seed(10 + i)])
+        alone = sample(logits[i:i + 1], [params[i]], [10 + i], [0])
         assert alone.token_ids == [batched[i]]
-    # The same generator seed gives the same draws again.
-    assert sample(logits, params, gens(6, base=10)).token_ids == batched
+    # The same seed and step give the same draws again.
+    assert sample(logits, params, *seeds(6, base=10)).token_ids == batched
+
+
+def test_noise_is_uniform_and_independent_across_seeds_steps_and_tokens():
+    """The counter-based stream: a chi-square test on 64 bins, the mean and variance of a
+    uniform, no correlation between neighbouring tokens, steps or seeds, and no value of
+    exactly 0 or 1. Seeds over the whole 64-bit range."""
+    seeds_ = torch.tensor([0, 1, -1, 12345, -(1 << 63), (1 << 63) - 1] * 50)
+    steps = torch.arange(300) // 6
+    u = uniform_noise(seeds_, steps, 4096).double()
+    assert u.shape == (300, 4096) and bool((u > 0).all()) and bool((u < 1).all())
+    n = u.numel()
+    assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    assert abs(u.var().item() - 1 / 12) < 2e-3
+    counts = torch.histc(u.float(), bins=64, min=0, max=1)
+    chi2 = (((counts - n / 64) ** 2) / (n / 64)).sum().item()
+    assert chi2 < 120, chi2  # 63 degrees of freedom: p < 1e-5 beyond ~120
+    c = u - 0.5
+    for a, b in ((c[:, 1:], c[:, :-1]), (c[6:], c[:-6]), (c[1:], c[:-1])):
+        corr = (a * b).mean().item() / (1 / 12)
+        assert abs(corr) < 0.01, corr
+    # The same key gives the same draws; another step of the same seed does not.
+    again = uniform_noise(seeds_[:6], steps[:6], 4096).double()
+    assert torch.equal(again, u[:6])
+    assert not torch.equal(uniform_noise(seeds_[:1], steps[:1] + 1, 4096), u[:1].float())
+
+
+def test_noise_kernel_is_bit_identical_to_the_torch_noise():
+    """CUDA draws the noise with one Triton kernel (interpreted here without a GPU): the same
+    bits as the torch computation, so a seed gives the same tokens on any device."""
+    triton_ops = pytest.importorskip("ragkv.model.triton_ops")
+    if not triton_ops.available():
+        pytest.skip("Triton is not installed")
+    seeds_ = torch.tensor([3, (1 << 63) - 1, 99])
+    steps = torch.tensor([0, 7, 123456])
+    vocab = 128_256 if torch.cuda.is_available() else 3000
+    want = uniform_noise(seeds_, steps, vocab)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k1, k2 = noise_keys(seeds_.to(device), steps.to(device))
+    assert torch.equal(triton_ops.uniform_noise(k1, k2, vocab).cpu(), want)
+    if torch.cuda.is_available():
+        assert torch.equal(uniform_noise(seeds_.cuda(), steps.cuda(), vocab).cpu(), want)
 
 
 PROBS = [0.5, 0.3, 0.2]
@@ -121,19 +163,26 @@ DRAWS = 2000
 
 
 def draw_counts(params: SamplingParams, seed: int = 0, probs=PROBS) -> Counter:
+    """DRAWS draws: one sequence's first DRAWS steps (even seeds) or the first step of DRAWS
+    sequences (odd seeds), so both directions of the random streams are tested."""
     logits = torch.tensor(probs).log().repeat(DRAWS, 1)
-    gen = torch.Generator().manual_seed(seed)
-    return Counter(sample(logits, [params] * DRAWS, [gen] * DRAWS).token_ids)
+    if seed % 2 == 0:
+        keys = [seed] * DRAWS, list(range(DRAWS))
+    else:
+        keys = list(range(seed, seed + DRAWS)), [0] * DRAWS
+    return Counter(sample(logits, [params] * DRAWS, *keys).token_ids)
 
 
-def test_plain_sampling_follows_the_distribution():
-    counts = draw_counts(SamplingParams(temperature=1.0))
+@pytest.mark.parametrize("seed", [0, 1], ids=["steps", "seeds"])
+def test_plain_sampling_follows_the_distribution(seed):
+    counts = draw_counts(SamplingParams(temperature=1.0), seed)
     for token, p in enumerate(PROBS):
         assert abs(counts[token] / DRAWS - p) < 0.05
 
 
-def test_top_k_2_renormalises_over_the_two_best():
-    counts = draw_counts(SamplingParams(temperature=1.0, top_k=2))
+@pytest.mark.parametrize("seed", [0, 1], ids=["steps", "seeds"])
+def test_top_k_2_renormalises_over_the_two_best(seed):
+    counts = draw_counts(SamplingParams(temperature=1.0, top_k=2), seed)
     assert counts[2] == 0
     assert abs(counts[0] / DRAWS - 0.625) < 0.05
     assert abs(counts[1] / DRAWS - 0.375) < 0.05
@@ -144,9 +193,10 @@ def test_top_k_at_least_vocab_is_no_filter():
     assert set(counts) == {0, 1, 2}
 
 
-def test_top_p_keeps_the_smallest_set_reaching_p():
+@pytest.mark.parametrize("seed", [0, 1], ids=["steps", "seeds"])
+def test_top_p_keeps_the_smallest_set_reaching_p(seed):
     # 0.5 < 0.6, so token 1 is needed; 0.8 >= 0.6, so token 2 is not.
-    counts = draw_counts(SamplingParams(temperature=1.0, top_p=0.6))
+    counts = draw_counts(SamplingParams(temperature=1.0, top_p=0.6), seed)
     assert set(counts) == {0, 1}
     assert abs(counts[0] / DRAWS - 0.625) < 0.05
     # Below the mass of the top token, the top token alone suffices.
@@ -154,17 +204,19 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert set(draw_counts(SamplingParams(temperature=1.0, top_p=0.85))) == {0, 1, 2}
 
 
-def test_min_p_keeps_tokens_above_a_fraction_of_the_top():
+@pytest.mark.parametrize("seed", [0, 1], ids=["steps", "seeds"])
+def test_min_p_keeps_tokens_above_a_fraction_of_the_top(seed):
     # Threshold 0.5 * 0.5 = 0.25: token 2 (0.2) goes, token 1 (0.3) stays.
-    counts = draw_counts(SamplingParams(temperature=1.0, min_p=0.5))
+    counts = draw_counts(SamplingParams(temperature=1.0, min_p=0.5), seed)
     assert set(counts) == {0, 1}
     assert abs(counts[0] / DRAWS - 0.625) < 0.05
     assert set(draw_counts(SamplingParams(temperature=1.0, min_p=0.3))) == {0, 1, 2}
 
 
-def test_temperature_sharpens_and_flattens():
-    cold = draw_counts(SamplingParams(temperature=0.25))
-    hot = draw_counts(SamplingParams(temperature=4.0))
+@pytest.mark.parametrize("seed", [0, 1], ids=["steps", "seeds"])
+def test_temperature_sharpens_and_flattens(seed):
+    cold = draw_counts(SamplingParams(temperature=0.25), seed)
+    hot = draw_counts(SamplingParams(temperature=4.0), seed)
     # p^(1/T) renormalised: T=0.25 gives token 0 about 0.87, T=4 brings token 2 near 0.29.
     assert abs(cold[0] / DRAWS - 0.5**4 / sum(p**4 for p in PROBS)) < 0.05
     want_hot = 0.2**0.25 / sum(p**0.25 for p in PROBS)
@@ -176,7 +228,7 @@ def test_sample_logprobs_are_of_the_raw_distribution():
     params = [SamplingParams(temperature=0.5, logprobs=3), SamplingParams(temperature=0),
               SamplingParams(temperature=0, logprobs=0), SamplingParams(temperature=2.0,
                                                                          logprobs=5)]
-    result = sample(logits, params, gens(4))
+    result = sample(logits, params, *seeds(4))
     logp = logits.log_softmax(dim=-1)
     assert result.token_logprobs[1] is None and result.top_logprobs[1] is None
     for i in (0, 2, 3):
@@ -261,4 +313,15 @@ def test_logprobs_match_between_greedy_and_seeded_runs_of_the_same_token(llm):
     assert top_cold == top_hot
     assert math.isclose(cold.logprobs[0][top_cold].logprob, hot.logprobs[0][top_hot].logprob,
                         abs_tol=1e-5)
+    llm.check_integrity()
+
+
+def test_seed_must_fit_64_bits_and_negative_seeds_are_their_own_streams(llm):
+    for bad in (1 << 64, -(1 << 63) - 1, 10**30):
+        with pytest.raises(ValueError, match="64-bit integer"):
+            SamplingParams(seed=bad)
+    # -1 and 2**64 - 1 are the same 64-bit pattern; -1 and 1 are not.
+    params = [SEEDED.clone(seed=s, ignore_eos=True) for s in (-1, (1 << 64) - 1, 1)]
+    a, b, c = tokens(llm, [PROMPT] * 3, params)
+    assert a == b and a != c
     llm.check_integrity()

@@ -300,6 +300,46 @@ def test_fused_ops_equal_the_torch_ops(device: str, dtype: torch.dtype):
     close(q, apply_rotary(view[:, :heads], cos, sin))
     close(k_cache[slots], apply_rotary(view[:, heads:heads + kv_heads], cos, sin))
     close(v_cache[slots], view[:, heads + kv_heads:])
+    # Keys at their own positions (selectively recomputed tokens): q by cos/sin, k by others.
+    key_cos, key_sin = cos.flip(0), sin.flip(0)
+    q = triton_ops.rope_store(qkv, cos, sin, heads, kv_heads, head_dim, k_cache, v_cache,
+                              slots, (key_cos, key_sin))
+    close(q, apply_rotary(view[:, :heads], cos, sin))
+    close(k_cache[slots], apply_rotary(view[:, heads:heads + kv_heads], key_cos, key_sin))
     untouched = torch.ones(slots_n, dtype=torch.bool, device=dev)
     untouched[slots] = False
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
+
+
+def _compiled_variants() -> int | None:
+    """How many compiled variants the attention kernels hold on this GPU (None where
+    Triton's cache cannot be read: the interpreter, another Triton version)."""
+    total = 0
+    for fn in (triton_attention._extend_kernel, triton_attention._decode_kernel,
+               triton_attention._merge_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if not CUDA or caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_warmup_compiles_every_variant_and_touches_no_slot(device: str):
+    """The start-up warm-up runs every kernel variant (splits, re-positioned keys, query
+    entries, merge tiles) reading only the padding slot; on a GPU, a varied workload after it
+    compiles nothing new."""
+    heads, kv_heads, head_dim = 4, 2, 32
+    pool = KVPool(2, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
+    pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape).to(pool.kv)
+    before = pool.kv.clone()
+    table = torch.zeros(3, 64, dtype=torch.int32, device=device)
+    backend = TritonAttentionBackend()
+    backend.warmup(pool, heads, table, 0)
+    assert torch.equal(pool.kv, before)
+    compiled = _compiled_variants()
+    for case in range(3):
+        test_kernels_turn_re_positioned_keys_and_take_query_entries(
+            case, device, torch.float32, [None, 2, 7][case], pytest.MonkeyPatch())
+    if compiled is not None:
+        assert _compiled_variants() == compiled

@@ -52,6 +52,12 @@ logger = logging.getLogger("ragkv")
 _DEFAULT_MAX_KV_TOKENS = 262_144
 # Largest decode batch captured in a CUDA graph (vLLM captures up to 512); larger ones run eagerly.
 _MAX_GRAPH_BATCH = 256
+_SEED_MASK = (1 << 64) - 1
+
+
+def _int64(bits: int) -> int:
+    """A 64-bit pattern as the signed integer an int64 tensor holds."""
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
 # How chunk KV is stored, part of every chunk-cache key: keys rotated for the chunk's base
@@ -273,13 +279,13 @@ class Engine:
             stop_ids |= self.eos_token_ids
         children = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
+            # The sampler's counter-based streams take a 64-bit pattern as an int64.
+            seed = (_int64((params.seed + i) & _SEED_MASK) if params.seed is not None
+                    else self._rng.getrandbits(63))
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             children.append(Request(
                 request_id=child_id, parent_id=request_id, index=i, prompt=parsed.text,
-                prompt_token_ids=token_ids, params=params, generator=generator,
+                prompt_token_ids=token_ids, params=params, seed=seed,
                 max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
                 metrics=RequestMetrics(arrival_time=arrival,
                                        num_repositioned_tokens=repositioned),
@@ -471,7 +477,8 @@ class Engine:
         if sampled:
             try:
                 result = sample(logits, [r.params for r in sampled],
-                                [r.generator for r in sampled])
+                                [r.seed for r in sampled],
+                                [r.num_output_tokens for r in sampled])
             except Exception as e:  # noqa: BLE001 (the sampled requests fail, not the engine)
                 logger.exception("sampling failed")
                 for req in sampled:

@@ -145,7 +145,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # of the sampler's random stream (a 64-bit pattern as an int64)
     max_tokens: int  # effective limit on generated tokens (max_tokens and max_model_len)
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignored, stop ids)
     metrics: RequestMetrics

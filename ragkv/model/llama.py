@@ -43,16 +43,17 @@ class Attention(nn.Module):
                 pool: KVPool, meta: AttentionMetadata, backend: AttentionBackend,
                 key_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`key_rope`: cos, sin for the keys where they differ from the queries'."""
-        if key_rope is not None:
-            q, k, v = self.qkv(x, cos, sin, key_rope)
-            out = backend.forward(q, k, v, layer, pool, meta, self.scale)
-            return self.o_proj.forward(out.reshape(-1, self.q_size))
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.fused:
             k_cache, v_cache = pool.k[layer], pool.v[layer]
             q = triton_ops.rope_store(self.qkv_proj.forward(x), cos, sin, heads, kv_heads,
-                                      self.head_dim, k_cache, v_cache, meta.write_slots)
+                                      self.head_dim, k_cache, v_cache, meta.write_slots,
+                                      key_rope)
             out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+            return self.o_proj.forward(out.reshape(-1, self.q_size))
+        if key_rope is not None:
+            q, k, v = self.qkv(x, cos, sin, key_rope)
+            out = backend.forward(q, k, v, layer, pool, meta, self.scale)
             return self.o_proj.forward(out.reshape(-1, self.q_size))
         qkv = self.qkv_proj.forward(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads:]

@@ -9,7 +9,8 @@ from typing import Protocol
 import torch
 
 from ..cache.kv_pool import KVPool
-from ..cache.slot_table import SlotTable
+from ..cache.slot_table import PAD_ROW, SlotTable
+from ..sampling import uniform_noise
 from .attention import AttentionBackend, AttentionMetadata
 from .llama import CausalLM
 
@@ -134,9 +135,10 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:
         """On CUDA, run the kernels of an extend and a decode step once at start-up, so that
-        compiling them (Triton) or choosing their algorithms (cuBLAS) never delays a request.
-        Their kernels take every length as data, so one shape stands for all. The dummy
-        steps read and write only the padding slot 0, which is zeroed again after."""
+        compiling them (Triton) or choosing their algorithms (cuBLAS) never delays a request,
+        then every other variant of the attention kernels (the backend's `warmup`) and the
+        sampler's. The kernels take every length as data, so one shape stands for all. The
+        dummy steps read and write only the padding slot 0, which is zeroed again after."""
         if self.device.type != "cuda":
             return
         for q_len, kv_len in ((num_tokens, num_tokens), (1, 2)):
@@ -153,5 +155,11 @@ class ModelRunner:
             positions = torch.arange(kv_len - q_len, kv_len, device=self.device)
             last = torch.tensor([q_len - 1], device=self.device)
             self.model(ids, positions, last, self.pool, meta, self.backend)
+        warmup = getattr(self.backend, "warmup", None)
+        if warmup is not None:  # every kernel variant, not only the two steps' ones
+            warmup(self.pool, self.num_heads, self.slot_table.table, PAD_ROW)
+        # The sampler's noise kernel.
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        uniform_noise(zero, zero, self.model.config.vocab_size)
         self.pool.kv[:, :, 0].zero_()
         torch.cuda.synchronize(self.device)

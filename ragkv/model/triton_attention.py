@@ -27,6 +27,8 @@ kernels run on CPU tensors through Triton's interpreter, which is how CPU-only C
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -120,28 +122,29 @@ if triton is not None:
     # Lengths, offsets and counts are data, never specialised on, so no new length or batch
     # ever compiles a new kernel.
     #
-    # With SPLITS > 1 each (sequence, query block, head) is cut further along the KV list and
-    # the slices go to mid_o / mid_lse (indexed by the token's place among the extend tokens,
+    # With SPLIT (splits > 1) each (sequence, query block, head) is cut further along the KV
+    # list into `splits` slices (a run-time count, so no split count compiles a variant) and
+    # these go to mid_o / mid_lse (indexed by the token's place among the extend tokens,
     # `tok_starts`), merged afterwards: a few query tokens over a long cached context (the
     # question of a warm RAG request) would otherwise run on a handful of multiprocessors.
     # ROTATE: sequence i's ranges are rows rot_indptr[i] .. rot_indptr[i+1] of `ranges`.
     # INDEXED: query t of a sequence sees entries 0 .. q_limit[tok_starts[i] + t].
     @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "tok_starts",
-                                   "rot_indptr", "ranges", "q_limit"])
+                                   "rot_indptr", "ranges", "q_limit", "splits"])
     def _extend_kernel(
         Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, tok_starts, mid_o, mid_lse,
         rot_indptr, ranges, turn_cos, turn_sin, q_limit,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         stride_mb, stride_mh,
-        qk_scale,
+        qk_scale, splits,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        SPLITS: tl.constexpr, ROTATE: tl.constexpr, INDEXED: tl.constexpr,
+        SPLIT: tl.constexpr, ROTATE: tl.constexpr, INDEXED: tl.constexpr,
     ):
         seq = tl.program_id(0)
         block = tl.program_id(1)
-        head = tl.program_id(2) // SPLITS
-        split = tl.program_id(2) % SPLITS
+        head = tl.program_id(2) // splits
+        split = tl.program_id(2) % splits
         q_len = tl.load(q_lens + seq)
         if block * BLOCK_M >= q_len:
             return
@@ -174,7 +177,7 @@ if triton is not None:
             r_lo = 0
             r_hi = 0
         # This program's slice [lo, end) of the entries the block attends to.
-        per_split = tl.cdiv(tl.cdiv(hi, SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(hi, splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
         end = tl.minimum(lo + per_split, hi)
         # Blocks wholly visible to every row of this query block need no mask.
@@ -194,7 +197,7 @@ if triton is not None:
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
                                           ranges, r_lo, r_hi, turn_cos, turn_sin, BLOCK_N,
                                           True, PRECISION, ROTATE, HEAD_DIM)
-        if SPLITS == 1:  # entry 0 is in every row's view, so l_i > 0
+        if not SPLIT:  # entry 0 is in every row's view, so l_i > 0
             out = acc / l_i[:, None]
             tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
                      + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -395,8 +398,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         unused if q_limit is None else q_limit,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION=precision, SPLITS=splits, ROTATE=rotate, INDEXED=q_limit is not None,
+        splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+        BLOCK_N=block_n, PRECISION=precision, SPLIT=splits > 1, ROTATE=rotate,
+        INDEXED=q_limit is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -592,6 +596,36 @@ class TritonAttentionBackend:
                 ranges=_int32(flat, device), cos=tables[0], sin=tables[1],
                 index=_int32(indptr_of([len(r) for r in per_seq]), device))
         return batch
+
+    @torch.inference_mode()
+    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int) -> None:
+        """Compile every variant of the kernels before the first request: the extend kernel
+        with and without KV splits, re-positioned keys and query entries, the decode kernel
+        with and without re-positioned keys, and the merge kernel at every tile of split
+        counts. Lengths, counts and offsets are run-time values, so these are all the variants
+        a server meets. The dummy inputs read only the padding slot 0 (`pad_row` of the slot
+        table) and write only a scratch output."""
+        device = pool.kv.device
+        k_cache, v_cache = pool.k[0], pool.v[0]
+        head_dim = k_cache.shape[-1]
+        i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
+        q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=device)
+        out = torch.empty_like(q)
+        turns = KeyTurns(ranges=i32([0, 1, 0]),
+                         cos=torch.ones(1, head_dim, dtype=torch.float32, device=device),
+                         sin=torch.zeros(1, head_dim, dtype=torch.float32, device=device),
+                         index=i32([0, 1]), max_ranges=1)
+        splits_ladder = [1 << i for i in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ... 64
+        for splits in splits_ladder:
+            variants = (itertools.product((False, True), repeat=2) if splits <= 2
+                        else [(False, False)])
+            for rotate, indexed in variants:
+                extend_attention(q, k_cache, v_cache, out, i32([0, 0]), i32([0, 2]), i32([0]),
+                                 i32([2]), 2, 1.0, splits, i32([0]), i32([0, 1]),
+                                 i32([0, 1]) if indexed else None, turns if rotate else None)
+            for rotate in (False, True):
+                decode_attention(q, k_cache, v_cache, out, table, i32([pad_row]), i32([1]),
+                                 i32([0]), splits, 1.0, turns=turns if rotate else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:

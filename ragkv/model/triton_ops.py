@@ -5,7 +5,8 @@ and a pass over memory. These fuse them, one kernel each:
 - `rms_norm`: (residual add +) RMSNorm, the sum kept as the new residual;
 - `silu_mul`: act(gate) * up from the fused gate_up projection;
 - `rope_store`: RoPE on q and k from the fused qkv projection, the rotated q returned and the
-  rotated k and v written straight into the KV pool at the step's slots.
+  rotated k and v written straight into the KV pool at the step's slots;
+- `uniform_noise`: the sampler's counter-based random numbers (sampling.py), bit for bit.
 Rounding follows the torch path in the model dtype (HF's order of operations: the residual sum,
 the normalised value and the activation are rounded to the dtype where HF rounds them), so
 bf16 outputs agree with it to bf16 rounding. They are used on CUDA only; CPU keeps the torch
@@ -62,8 +63,8 @@ if triton is not None:
         tl.store(OUT + row * stride_o + offs, act * up, mask=valid)
 
     @triton.jit
-    def _rope_store_kernel(QKV, COS, SIN, Q_OUT, K_CACHE, V_CACHE, slots,
-                           stride_qkv, stride_cos, stride_qo, stride_kt,
+    def _rope_store_kernel(QKV, COS, SIN, KCOS, KSIN, Q_OUT, K_CACHE, V_CACHE, slots,
+                           stride_qkv, stride_cos, stride_kcos, stride_qo, stride_kt,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_KV: tl.constexpr):
@@ -83,7 +84,10 @@ if triton is not None:
         dst = Q_OUT + t * stride_qo + hq[:, None] * dim + offs[None, :]
         tl.store(dst, x1 * c - x2 * s, mask=mask)
         tl.store(dst + HALF, x2 * c + x1 * s, mask=mask)
-        # k heads, rotated, and v heads, into the pool at this token's slot
+        # k heads, rotated (by the keys' own positions where they differ), and v heads, into
+        # the pool at this token's slot
+        c = tl.load(KCOS + t * stride_kcos + offs, mask=d_valid, other=0.0)
+        s = tl.load(KSIN + t * stride_kcos + offs, mask=d_valid, other=0.0)
         slot = tl.load(slots + t).to(tl.int64)
         hk = tl.arange(0, BLOCK_KV)
         mask = (hk < KV_HEADS)[:, None] & d_valid[None, :]
@@ -97,6 +101,46 @@ if triton is not None:
         dst = V_CACHE + slot * stride_kt + hk[:, None] * dim + offs[None, :]
         tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
         tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mul32(x, c: tl.constexpr):
+        # (x * c) mod 2^32 in int64 with the constant in 16-bit halves: sampling._mul32.
+        # The reduction subtracts the bits above 32 (the products are non-negative) rather
+        # than masking with 0xFFFFFFFF, a literal Triton would type as uint32.
+        y = x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)
+        return y - ((y >> 32) << 32)
+
+    @triton.jit
+    def _mix32(x):
+        x = x ^ (x >> 16)
+        x = _mul32(x, 0x7FEB352D)
+        x = x ^ (x >> 15)
+        x = _mul32(x, 0x846CA68B)
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _uniform_noise_kernel(K1, K2, OUT, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        k1 = tl.load(K1 + row)
+        k2 = tl.load(K2 + row)
+        x = _mix32(_mix32(offs.to(tl.int64) ^ k1) ^ k2)
+        u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        tl.store(OUT + row.to(tl.int64) * vocab + offs, u, mask=offs < vocab)
+
+
+def uniform_noise(k1: torch.Tensor, k2: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The sampler's counter-based uniforms [B, vocab] from each row's two keys, bit for bit
+    the torch computation of sampling.uniform_noise, in one launch instead of ~35."""
+    out = torch.empty(k1.numel(), vocab, dtype=torch.float32, device=k1.device)
+    block = 1024
+    _uniform_noise_kernel[(k1.numel(), triton.cdiv(vocab, block))](
+        k1.contiguous(), k2.contiguous(), out, vocab, BLOCK=block,
+        num_warps=4 if k1.is_cuda else 1)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -134,14 +178,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               slots: torch.Tensor) -> torch.Tensor:
-    """q rotated [T, heads, head_dim]; rotated k and v written to the pool at `slots`."""
+               slots: torch.Tensor,
+               key_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q rotated [T, heads, head_dim]; rotated k and v written to the pool at `slots`.
+    `key_rope`: cos, sin for the keys where their positions differ from the queries'
+    (selectively recomputed chunk tokens keep their keys at the chunk's base positions)."""
     tokens = qkv.shape[0]
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
+    key_cos, key_sin = key_rope if key_rope is not None else (cos, sin)
     _rope_store_kernel[(tokens,)](
-        qkv, cos, sin, q, k_cache, v_cache, slots,
-        qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(0),
+        qkv, cos, sin, key_cos, key_sin, q, k_cache, v_cache, slots,
+        qkv.stride(0), cos.stride(0), key_cos.stride(0), q.stride(0), k_cache.stride(0),
         HEADS=heads, KV_HEADS=kv_heads, HALF=half, BLOCK_HALF=_pow2(half),
         BLOCK_H=_pow2(heads), BLOCK_KV=_pow2(kv_heads), num_warps=4,
     )
