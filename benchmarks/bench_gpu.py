@@ -12,6 +12,13 @@ bandwidth (a large device-to-device copy, bytes read + written) and bf16 matmul 
   pass over lengths never seen before against a repeat;
 - a mixed workload, 16 prompts of 300-2,000 tokens x 32 tokens, twice with fresh lengths
   (floor: the prefills' FLOPs at peak + 32 decode steps at the batch-16 floor);
+- warm RAG TTFT with the chunks re-positioned (sequential layout: keys turned in the kernels'
+  loads) and with selective recompute (blend, 15%), against the shared layout;
+- decode at batch 32 over re-positioned chunks (sequential layout, through CUDA graphs)
+  against the same requests in the shared layout, and sampled decode (seeded, temperature,
+  top-k, top-p) against greedy;
+- how many attention kernel variants were compiled after start-up (0: the warm-up covered
+  every shape and layout the run met);
 - `ragkv bench`'s RAG workload (none / prefix / chunk) on this model.
 
     python benchmarks/bench_gpu.py                      # the 8B shape, on CUDA
@@ -88,6 +95,21 @@ def build_checkpoint(args, path: str):
     return model
 
 
+def compiled_variants() -> int | None:
+    """Compiled variants of the Triton kernels so far (None: not readable here)."""
+    try:
+        from ragkv.model import triton_attention, triton_ops
+    except ImportError:
+        return None
+    total = 0
+    for module in (triton_attention, triton_ops):
+        for value in vars(module).values():
+            caches = getattr(value, "device_caches", None)
+            if isinstance(caches, dict):
+                total += sum(len(entry[0]) for entry in caches.values())
+    return total if torch.cuda.is_available() else None
+
+
 def ids(n: int, rng: random.Random) -> list[int]:
     # The built-in tokenizer's vocabulary is 4,096: ids stay below it.
     return [rng.randrange(10, 4000) for _ in range(n)]
@@ -153,6 +175,7 @@ def main() -> None:
               enforce_eager=args.enforce_eager)
     graphs = llm.engine.runner.graphs
     fig["load_s"] = time.perf_counter() - start
+    variants_at_start = compiled_variants()
     fig["graph_capture_s"] = graphs.capture_seconds if graphs is not None else None
     say(f"ragkv loaded in {fig['load_s']:.1f} s (CUDA graph capture "
         f"{fig['graph_capture_s']} s, backend {llm.engine.runner.backend.name})")
@@ -164,9 +187,19 @@ def main() -> None:
         attn = 2 * 2 * args.layers * args.hidden * n * n / 2
         return 2 * (flop_params - args.vocab * args.hidden) * n + attn
 
-    def generate(prompts, max_tokens: int) -> float:
+    def generate(prompts, max_tokens: int, params=None) -> float:
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        if params is not None:
+            sp = [p.clone(max_tokens=max_tokens, ignore_eos=True) for p in params]
         return timed(lambda: llm.generate(prompts, sp, use_tqdm=False), device)
+
+    def decode_step(prompts, params=None) -> float:
+        """Seconds per decode step: (T(n) - T(1)) / (n - 1), medians."""
+        generate(prompts, 2, params)
+        t1 = statistics.median(generate(prompts, 1, params) for _ in range(reps))
+        tn = statistics.median(generate(prompts, decode_new, params)
+                               for _ in range(max(2, reps // 2)))
+        return (tn - t1) / (decode_new - 1)
 
     rows = []
 
@@ -207,6 +240,38 @@ def main() -> None:
                  f"{cold * 1e3:.1f} ms)", warm, None, floor, ""))
     say(f"RAG TTFT: warm {warm * 1e3:.1f} ms, cold {cold * 1e3:.1f} ms")
 
+    # The same warm request with the chunks re-positioned, and with selective recompute.
+    for name, layout in (("sequential", dict(position_strategy="sequential")),
+                         ("sequential + blend 15%", dict(position_strategy="sequential",
+                                                         recompute="blend",
+                                                         recompute_ratio=0.15))):
+        times = []
+        for _ in range(reps + 1):
+            order = docs[:]
+            rng.shuffle(order)
+            times.append(generate([RAGPrompt(system, order, ids(64, rng), **layout)], 1))
+        t = statistics.median(times[1:])
+        fig[f"rag_ttft_{name}"] = t
+        rows.append((f"warm RAG TTFT, {name}", t, None, floor,
+                     f"{t / warm:.2f}x the shared layout"))
+        say(f"RAG TTFT {name}: {t * 1e3:.1f} ms ({t / warm:.2f}x shared)")
+
+    # Decode over re-positioned chunks (sequential layout) against the shared layout, batch 32.
+    def rag_batch(**layout):
+        local = random.Random(5)
+        return [RAGPrompt(system, local.sample(docs, 4), ids(32, local), **layout)
+                for _ in range(32)]
+
+    shared_step = decode_step(rag_batch())
+    moved_step = decode_step(rag_batch(position_strategy="sequential"))
+    floor = decode_floor(32, 128 + 4 * doc_len + 32 + decode_new // 2)
+    fig["decode_b32_repositioned"] = {"shared": shared_step, "sequential": moved_step,
+                                      "floor": floor}
+    rows.append(("decode batch 32 over 4 re-positioned chunks, ms/step", moved_step, None,
+                 floor, f"shared layout {shared_step * 1e3:.2f} ms"))
+    say(f"decode b32 RAG: sequential {moved_step * 1e3:.2f} ms/step, shared "
+        f"{shared_step * 1e3:.2f}")
+
     # Decode.
     def hf_decode(batch: int, context: int) -> float:
         x = torch.tensor([ids(context, rng) for _ in range(batch)], device=device)
@@ -246,6 +311,18 @@ def main() -> None:
         say(f"decode b{batch}: {step * 1e3:.2f} ms/step, HF "
             f"{hf_step * 1e3 if hf_step else float('nan'):.2f}, floor {floor * 1e3:.2f}")
 
+    # Sampled decode (seeded, temperature, top-k, top-p) against greedy, batch 32.
+    prompts = [{"prompt_token_ids": ids(512, rng)} for _ in range(32)]
+    greedy_step = decode_step(prompts)
+    sampled = [SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=i) for i in range(32)]
+    sampled_step = decode_step(prompts, sampled)
+    fig["decode_b32_sampled"] = {"greedy": greedy_step, "sampled": sampled_step}
+    rows.append(("decode batch 32 sampled (seeded, T 0.8, top-k 50, top-p 0.9), ms/step",
+                 sampled_step, None, decode_floor(32, 512 + decode_new // 2),
+                 f"greedy {greedy_step * 1e3:.2f} ms"))
+    say(f"decode b32 sampled {sampled_step * 1e3:.2f} ms/step, greedy "
+        f"{greedy_step * 1e3:.2f}")
+
     # Mixed workload, two passes with fresh lengths and ids (no cache hits).
     passes = []
     floor_sum = []
@@ -260,6 +337,12 @@ def main() -> None:
     rows.append(("mixed: 16 x (300-2000 tokens) x 32 out, 1st / 2nd pass", passes[0], None,
                  floor_sum[0], f"2nd pass {passes[1]:.3f} s (floor {floor_sum[1]:.3f} s)"))
     say(f"mixed: {passes[0]:.3f} s then {passes[1]:.3f} s; floors {floor_sum}")
+
+    variants_at_end = compiled_variants()
+    if variants_at_start is not None:
+        fig["kernels_compiled_after_start"] = variants_at_end - variants_at_start
+        say(f"Triton kernel variants compiled after start-up: "
+            f"{variants_at_end - variants_at_start} (of {variants_at_end})")
 
     llm = hf = None  # free the GPU for the RAG benchmark's engines
     gc.collect()

@@ -106,19 +106,16 @@ _MASK32 = 0xFFFFFFFF
 _LOWBIAS = (0x7FEB352D, 0x846CA68B)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) as int64, without leaving int64's range: the
-    constant in 16-bit halves keeps every product below 2^49."""
-    hi, lo = c >> 16, c & 0xFFFF
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _MASK32
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = _mul32(x, _LOWBIAS[0])
-    x = x ^ (x >> 15)
-    x = _mul32(x, _LOWBIAS[1])
-    return x ^ (x >> 16)
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 of each element of x (int64 holding values in [0, 2^32)), in place. A
+    product of two 32-bit values may pass 2^63 and wrap in int64; its low 32 bits, all that
+    is kept, are exact either way (the Triton kernel splits the constant instead; the tests
+    check the two agree bit for bit)."""
+    x.bitwise_xor_(x >> 16)
+    x.mul_(_LOWBIAS[0]).bitwise_and_(_MASK32)
+    x.bitwise_xor_(x >> 15)
+    x.mul_(_LOWBIAS[1]).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(x >> 16)
 
 
 def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,14 +123,15 @@ def noise_keys(seeds: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, 
     differ also differ in the second (a bijection of the first), so no two rows' draws are a
     permutation of each other's."""
     high = (seeds >> 32) & _MASK32  # the shift is arithmetic: keep the 32 bits, not the sign
-    k1 = _mix32(_mix32(_mix32(steps & _MASK32) ^ high) ^ (seeds & _MASK32))
-    return k1, _mix32(k1 ^ 0x9E3779B9)
+    k1 = _mix32_(_mix32_(_mix32_(steps & _MASK32).bitwise_xor_(high)).bitwise_xor_(
+        seeds & _MASK32))
+    return k1, _mix32_(k1 ^ 0x9E3779B9)
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] float32 uniform in (0, 1): row b's draws for step `steps[b]` of the
-    sequence seeded `seeds[b]` (int64 tensors; a seed is any 64-bit pattern). On CUDA one Triton
-    kernel computes the same bits (triton_ops.uniform_noise)."""
+    sequence seeded `seeds[b]` (int64 tensors; a seed is any 64-bit pattern). On CUDA one
+    Triton kernel computes the same bits (triton_ops.uniform_noise)."""
     k1, k2 = noise_keys(seeds, steps)
     if seeds.is_cuda:
         from .model import triton_ops
@@ -141,9 +139,12 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
         if triton_ops.available():
             return triton_ops.uniform_noise(k1, k2, vocab)
     index = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = _mix32(_mix32(index[None, :] ^ k1[:, None]) ^ k2[:, None])
+    # In place after the first op: these passes over [B, vocab] are the sampler's main cost
+    # on a CPU, and fresh tensors for each would double it.
+    x = _mix32_(index[None, :] ^ k1[:, None]).bitwise_xor_(k2[:, None])
+    x = _mix32_(x).bitwise_right_shift_(8)
     # 24 bits, centred in their interval: never 0 or 1, exact in float32.
-    return ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return x.float().add_(0.5).mul_(1.0 / (1 << 24))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
@@ -231,5 +232,5 @@ def _sample_rows(logits: torch.Tensor, rows: list[int], all_params: list[Samplin
                         dtype=torch.int64).to(device)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p exactly (no
     # renormalisation needed: it does not change the argmax).
-    exponential = -torch.log(uniform_noise(keys[0], keys[1], vocab))
-    return (probs / exponential).argmax(dim=-1)
+    exponential = uniform_noise(keys[0], keys[1], vocab).log_().neg_()
+    return probs.div_(exponential).argmax(dim=-1)
