@@ -242,6 +242,11 @@ class TieredChunkStore:
 
     def close(self) -> None:
         self.flush()
+        # The writer thread ends here, not while the interpreter shuts down: a daemon thread
+        # woken during finalization (by the store's finalizer) can abort the process
+        # ("terminate called without an active exception", seen once in the suite when a
+        # precompute run exited). A later write starts a new one.
+        self._writes.shutdown()
         for tier in self.tiers:
             tier.close()
 
@@ -290,6 +295,14 @@ class _WriteQueue:
 
     def stop(self) -> None:
         self._queue.put(None)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the writer thread and wait for it (the queue is empty: callers flush first)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
