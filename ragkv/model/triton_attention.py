@@ -73,11 +73,11 @@ if triton is not None:
             b = tl.load(ranges + 3 * r + 1)
             row = tl.load(ranges + 3 * r + 2)
             turn = tl.where((offs_n >= a) & (offs_n < b), row, turn)
-        half: tl.constexpr = HEAD_DIM // 2
         mask = ((turn >= 0) & n_valid)[:, None] & d_valid[None, :]
         # rotate_half's partner of each element: x1 * c - x2 * s, x2 * c + x1 * s.
-        pair = tl.where(offs_d < half, offs_d + half, offs_d - half)
-        sign = tl.where(offs_d < half, -1.0, 1.0)
+        first = offs_d < HEAD_DIM // 2
+        pair = tl.where(first, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+        sign = tl.where(first, -1.0, 1.0)
         k_pair = tl.load(k_base + slots[:, None] * stride_kt + pair[None, :], mask=mask,
                          other=0.0)
         row_offs = turn.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
