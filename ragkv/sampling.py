@@ -142,9 +142,15 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch
     # In place after the first op: these passes over [B, vocab] are the sampler's main cost
     # on a CPU, and fresh tensors for each would double it.
     x = _mix32_(index[None, :] ^ k1[:, None]).bitwise_xor_(k2[:, None])
-    x = _mix32_(x).bitwise_right_shift_(8)
-    # 24 bits, centred in their interval: never 0 or 1, exact in float32.
-    return x.float().add_(0.5).mul_(1.0 / (1 << 24))
+    return to_uniform_(_mix32_(x))
+
+
+def to_uniform_(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64) to float32 uniforms in (0, 1): the top 23 bits, centred in
+    their interval, so every value is exact in float32 and strictly between 0 and 1 (with 24
+    bits the largest, 2^24 - 0.5, rounds to 2^24: u = 1, an exponential of 0 that made a
+    token of probability 0 win the race as NaN)."""
+    return x.bitwise_right_shift_(9).float().add_(0.5).mul_(1.0 / (1 << 23))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

@@ -237,14 +237,14 @@ class _EagerGraph:
     """Stands in for a captured CUDA graph where there is no GPU: a replay runs the step the
     graph would have captured, on the same persistent input buffers, into the same logits."""
 
-    def __init__(self, graphs, size: int) -> None:
-        self.graphs, self.size = graphs, size
+    def __init__(self, graphs, size: int, turning: bool) -> None:
+        self.graphs, self.size, self.turning = graphs, size, turning
         self.plan = graphs.plan(size)
         self.logits = torch.empty(size, graphs.model.config.vocab_size)
         self.replays = 0
 
     def replay(self) -> None:
-        self.logits.copy_(self.graphs._forward(self.size, *self.plan))
+        self.logits.copy_(self.graphs._forward(self.size, self.turning, *self.plan))
         self.replays += 1
 
 
@@ -269,8 +269,9 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
         graphs = DecodeGraphs(engine.model, engine.pool, engine.runner.backend,
                               engine.slot_table, 4, engine.max_model_len)
         for size in graphs.sizes:
-            stand_in = _EagerGraph(graphs, size)
-            graphs.graphs[size] = (stand_in, stand_in.logits)
+            for turning in (False, True):
+                stand_in = _EagerGraph(graphs, size, turning)
+                graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
         engine.runner.graphs = graphs
     runs = []
     original = graphs.run
@@ -283,7 +284,13 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
                   rag(S, [C, A], random_prompt(4, seed=96), layout=layout)])
     run(llm, hf, [rag(S, [B], random_prompt(6, seed=97), layout=layout),
                   plain(random_prompt(7, seed=98))])
-    assert runs and max(runs) > 0 and min(runs) < max(runs)
+    run(llm, hf, [plain(random_prompt(10, seed=99))])
+    assert runs and max(runs) > 0 and min(runs) == 0
+    replays = {key: g.replays for key, (g, _) in graphs.graphs.items()
+               if isinstance(g, _EagerGraph)}
+    if replays:  # steps with re-positioned rows ran the turning graph, the others the plain
+        assert sum(n for (_, turning), n in replays.items() if turning) > 0
+        assert sum(n for (_, turning), n in replays.items() if not turning) > 0
 
 
 def test_dynamic_rope_refuses_re_positioning(checkpoint):

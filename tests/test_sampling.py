@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragkv import LLM, SamplingParams
-from ragkv.sampling import noise_keys, sample, uniform_noise
+from ragkv.sampling import noise_keys, sample, to_uniform_, uniform_noise
 
 PROMPT = "The garden is green and"
 SEEDED = SamplingParams(temperature=1.0, seed=123, max_tokens=10)
@@ -139,6 +139,27 @@ def test_noise_is_uniform_and_independent_across_seeds_steps_and_tokens():
     again = uniform_noise(seeds_[:6], steps[:6], 4096).double()
     assert torch.equal(again, u[:6])
     assert not torch.equal(uniform_noise(seeds_[:1], steps[:1] + 1, 4096), u[:1].float())
+
+
+def test_uniforms_never_reach_0_or_1_and_truncation_is_never_escaped():
+    """The extreme hashes map strictly inside (0, 1), so the exponential race never divides
+    a zero probability by zero (the 24-bit version mapped the largest hash to exactly 1,
+    and then picked a token outside top-k about once per 16,000 tokens of vocabulary drawn
+    over); and over many draws no token outside top-k (or below min-p) is picked."""
+    x = torch.tensor([0, 1, (1 << 31), (1 << 32) - 2, (1 << 32) - 1])
+    u = to_uniform_(x.clone())
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert bool((-u.log() > 0).all())
+    logits = torch.randn(2000, 4096, generator=torch.Generator().manual_seed(0))
+    for params in (SamplingParams(temperature=1.0, top_k=3), SamplingParams(min_p=0.9)):
+        picked = torch.tensor(sample(logits, [params] * 2000, list(range(2000)),
+                                     [0] * 2000).token_ids)
+        allowed = logits.topk(3).indices if params.top_k else logits.argmax(-1, keepdim=True)
+        if params.min_p:  # min_p 0.9: tokens within log(0.9) of the best
+            allowed_mask = logits >= logits.max(-1, keepdim=True).values + math.log(0.9)
+        else:
+            allowed_mask = torch.zeros_like(logits, dtype=torch.bool).scatter(1, allowed, True)
+        assert bool(allowed_mask.gather(1, picked[:, None]).all())
 
 
 def test_noise_kernel_is_bit_identical_to_the_torch_noise():

@@ -202,7 +202,7 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
     if any(rotations[i] for i in decode):
         assert state.decode.turns is not None
     if any(rotations[i] for i in extend):
-        assert state.extend.turns is not None
+        assert state.extend.kv_turns is not None
     if any(spec["query_index"][i] is not None for i in extend):
         assert state.extend.q_limit is not None
 

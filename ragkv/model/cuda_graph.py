@@ -9,10 +9,12 @@ the slot table on the device (the new token's slot is `table[row, kv_len - 1]`),
 graph reads is rebuilt on the host. A batch is padded to the next captured size with entries
 that point at the table's padding row (slot 0, never read unmasked).
 
-Re-positioned chunks stay in the graph: each sequence's ranges of keys seen turned by a delta
-(at most MAX_RANGES) and the cos/sin rows of the step's distinct deltas (at most MAX_TURNS)
-are two more persistent buffers, filled only on steps that have any; the decode kernel skips
-the turning at run time for a sequence with no range.
+Re-positioned chunks stay in graphs too: each batch size has a second graph whose decode
+kernel turns keys (ranges of a sequence's list seen turned by a delta, at most MAX_RANGES per
+sequence, and the cos/sin rows of the step's distinct deltas, at most MAX_TURNS, in two more
+persistent buffers). Steps without any run the plain graph: the turning variant of the kernel
+holds about three times the registers (measured from the compiled kernel), which would cost
+every decode step occupancy.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ class DecodeGraphs:
         self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
         self.q_rows = torch.arange(self.max_batch, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(self.max_batch, dtype=torch.long, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (batch size, turns re-positioned keys) -> (graph, its logits)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
@@ -90,13 +93,14 @@ class DecodeGraphs:
         mempool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs reuse its memory from the shared pool.
         for size in reversed(self.sizes):
-            self.graphs[size] = self._capture(size, mempool)
+            for turning in (False, True):
+                self.graphs[(size, turning)] = self._capture(size, turning, mempool)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured CUDA graphs for decode batch sizes %s in %.2f s", self.sizes,
                     self.capture_seconds)
 
-    def _forward(self, size: int, splits: int,
+    def _forward(self, size: int, turning: bool, splits: int,
                  scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ids, positions, rows, kv_lens, num_ranges = (t[:size] for t in self.inputs)
         meta = AttentionMetadata(
@@ -110,7 +114,7 @@ class DecodeGraphs:
             rows=rows, kv_lens=kv_lens, q_rows=self.q_rows[:size], num_splits=splits,
             scratch=scratch, turns=KeyTurns(ranges=self.ranges[:size], cos=self.turn_cos,
                                             sin=self.turn_sin, index=num_ranges,
-                                            max_ranges=MAX_RANGES)))
+                                            max_ranges=MAX_RANGES) if turning else None))
         return self.model(ids, positions, self.logits_rows[:size], self.pool, meta, self.backend)
 
     def plan(self, size: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -121,7 +125,8 @@ class DecodeGraphs:
         mc = self.model.config
         return splits, decode_scratch(size, mc.num_heads, mc.head_dim, splits, device)
 
-    def _capture(self, size: int, mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, turning: bool,
+                 mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         device = self.inputs.device
         splits, scratch = self.plan(size)
         # Warm up outside the graph (compiles the kernels, sets up cuBLAS), on a side stream
@@ -130,11 +135,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._forward(size, splits, scratch)
+                self._forward(size, turning, splits, scratch)
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=mempool):
-            logits = self._forward(size, splits, scratch)
+            logits = self._forward(size, turning, splits, scratch)
         return graph, logits
 
     def can_run(self, works: Sequence) -> bool:
@@ -166,9 +171,10 @@ class DecodeGraphs:
             [len(w.kv_rotations) for w in works] + [0] * pad,
         ], dtype=torch.long)
         self.inputs[:, :size].copy_(host, non_blocking=True)
-        if any(w.kv_rotations for w in works):
+        turning = any(w.kv_rotations for w in works)
+        if turning:
             self._fill_turns(works)
-        graph, logits = self.graphs[size]
+        graph, logits = self.graphs[(size, turning)]
         graph.replay()
         return logits[:n]
 

@@ -61,18 +61,23 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _turn_keys(k, k_base, slots, offs_n, n_valid, offs_d, d_valid, stride_kt, ranges,
-                   r_lo, r_hi, turn_cos, turn_sin, HEAD_DIM: tl.constexpr):
-        """K rows [BLOCK_N, BLOCK_D] of entries `offs_n`, each turned by the delta of the range
-        covering it (ranges r_lo .. r_hi of `ranges`, rows of (start, end, table row)); entries
-        no range covers come back unchanged. In float32, rounded to the pool's dtype for the
-        dot as the stored keys are."""
-        turn = tl.zeros_like(offs_n) - 1  # -1: as stored
+    def _range_turns(offs_n, ranges, r_lo, r_hi):
+        """Each entry's row of the turn tables: that of the range (rows r_lo .. r_hi of
+        `ranges`, each (start, end, table row)) covering it, -1 where none does."""
+        turn = tl.zeros_like(offs_n) - 1
         for r in range(r_lo, r_hi):
             a = tl.load(ranges + 3 * r)
             b = tl.load(ranges + 3 * r + 1)
             row = tl.load(ranges + 3 * r + 2)
             turn = tl.where((offs_n >= a) & (offs_n < b), row, turn)
+        return turn
+
+    @triton.jit
+    def _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid, stride_kt, turn_cos,
+                   turn_sin, HEAD_DIM: tl.constexpr):
+        """K rows [BLOCK_N, BLOCK_D], each turned by row `turn` of the cos/sin tables (rows
+        that turn a key forward by a delta); rows with turn -1 come back unchanged. In
+        float32, rounded to the pool's dtype for the dot as the stored keys are."""
         mask = ((turn >= 0) & n_valid)[:, None] & d_valid[None, :]
         # rotate_half's partner of each element: x1 * c - x2 * s, x2 * c + x1 * s.
         first = offs_d < HEAD_DIM // 2
@@ -88,8 +93,8 @@ if triton is not None:
 
     @triton.jit
     def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, lim,
-                      offs_d, d_valid, stride_kt, qk_scale, ranges, r_lo, r_hi, turn_cos,
-                      turn_sin, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      offs_d, d_valid, stride_kt, qk_scale, kv_turns, turn_cos, turn_sin,
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                       PRECISION: tl.constexpr, ROTATE: tl.constexpr, HEAD_DIM: tl.constexpr):
         """One block of KV entries folded into the running softmax (base-2 exponentials).
         Row i sees the entries up to lim[i] of the list."""
@@ -99,8 +104,11 @@ if triton is not None:
         k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
                     mask=n_valid[:, None] & d_valid[None, :], other=0.0)
         if ROTATE:
-            k = _turn_keys(k, k_base, slots, offs_n, n_valid, offs_d, d_valid, stride_kt,
-                           ranges, r_lo, r_hi, turn_cos, turn_sin, HEAD_DIM)
+            # A load beside kv_index's, not a search of the ranges: the block's loads stay
+            # pipelined.
+            turn = tl.load(kv_turns + kv_begin + offs_n, mask=n_valid, other=-1)
+            k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid, stride_kt,
+                           turn_cos, turn_sin, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:  # the block crosses the causal diagonal or the end of the list
             visible = (offs_n[None, :] <= lim[:, None]) & n_valid[None, :]
@@ -127,13 +135,14 @@ if triton is not None:
     # these go to mid_o / mid_lse (indexed by the token's place among the extend tokens,
     # `tok_starts`), merged afterwards: a few query tokens over a long cached context (the
     # question of a warm RAG request) would otherwise run on a handful of multiprocessors.
-    # ROTATE: sequence i's ranges are rows rot_indptr[i] .. rot_indptr[i+1] of `ranges`.
+    # ROTATE: `kv_turns`, beside `kv_index`, holds each entry's row of the turn tables (-1:
+    # the key as stored).
     # INDEXED: query t of a sequence sees entries 0 .. q_limit[tok_starts[i] + t].
     @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "tok_starts",
-                                   "rot_indptr", "ranges", "q_limit", "splits"])
+                                   "kv_turns", "q_limit", "splits", "stride_mb", "stride_mh"])
     def _extend_kernel(
         Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, tok_starts, mid_o, mid_lse,
-        rot_indptr, ranges, turn_cos, turn_sin, q_limit,
+        kv_turns, turn_cos, turn_sin, q_limit,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         stride_mb, stride_mh,
         qk_scale, splits,
@@ -170,12 +179,6 @@ if triton is not None:
             lim = diag + offs_m
             hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
             edge = diag + block * BLOCK_M + 1
-        if ROTATE:
-            r_lo = tl.load(rot_indptr + seq)
-            r_hi = tl.load(rot_indptr + seq + 1)
-        else:
-            r_lo = 0
-            r_hi = 0
         # This program's slice [lo, end) of the entries the block attends to.
         per_split = tl.cdiv(tl.cdiv(hi, splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
@@ -190,12 +193,12 @@ if triton is not None:
         for start in range(lo, full, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
-                                          ranges, r_lo, r_hi, turn_cos, turn_sin, BLOCK_N,
+                                          kv_turns, turn_cos, turn_sin, BLOCK_N,
                                           False, PRECISION, ROTATE, HEAD_DIM)
         for start in range(tl.maximum(lo, full), end, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
-                                          ranges, r_lo, r_hi, turn_cos, turn_sin, BLOCK_N,
+                                          kv_turns, turn_cos, turn_sin, BLOCK_N,
                                           True, PRECISION, ROTATE, HEAD_DIM)
         if not SPLIT:  # entry 0 is in every row's view, so l_i > 0
             out = acc / l_i[:, None]
@@ -216,7 +219,8 @@ if triton is not None:
     # `ranges` (a row without any skips the turning at run time, so one compiled kernel, and
     # one captured graph, serves batches with and without them).
     @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits", "rot_counts",
-                                   "ranges", "max_ranges"])
+                                   "ranges", "max_ranges", "stride_mb", "stride_mh",
+                                   "stride_ms"])
     def _decode_kernel(
         Q, K, V, table, rows, kv_lens, q_rows, mid_o, mid_lse,
         rot_counts, ranges, turn_cos, turn_sin, max_ranges,
@@ -263,9 +267,9 @@ if triton is not None:
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
             if ROTATE:  # noqa: SIM102 (compile time, then run time per sequence)
                 if r_hi > r_lo:
-                    k = _turn_keys(k, k_base, slots, offs_n, n_valid, offs_d, d_valid,
-                                   stride_kt, ranges, r_lo, r_hi, turn_cos, turn_sin,
-                                   HEAD_DIM)
+                    turn = _range_turns(offs_n, ranges, r_lo, r_hi)
+                    k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid,
+                                   stride_kt, turn_cos, turn_sin, HEAD_DIM)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             qk = tl.where(n_valid[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -292,7 +296,8 @@ if triton is not None:
         tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=h_store[:, None] & d_valid[None, :])
 
-    @triton.jit(do_not_specialize=["q_rows", "num_splits"])
+    # The strides of mid_o / mid_lse depend on the split count: never specialised on.
+    @triton.jit(do_not_specialize=["q_rows", "num_splits", "stride_mb", "stride_mh"])
     def _merge_kernel(
         mid_o, mid_lse, Out, q_rows, stride_ot, stride_oh, stride_mb, stride_mh, num_splits,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -334,19 +339,34 @@ def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int,
 
 @dataclass(slots=True)
 class KeyTurns:
-    """Re-positioned key ranges of one kernel launch.
+    """Re-positioned key ranges of a decode launch.
 
     `ranges`: int32 rows of (start, end, table row), entries start .. end-1 of a sequence's KV
     list seen turned by row `table row` of `cos` / `sin` ([rows, head_dim] float32, turning a
-    key forward by its range's delta). `index`: for `extend`, where each sequence's rows
-    start ([num_seqs + 1]); for `decode`, how many rows each sequence has ([B]), its rows
-    starting at b * `max_ranges`."""
+    key forward by its range's delta); `index`: how many rows each sequence has ([B]), its
+    rows starting at b * `max_ranges`. (A decode row's ranges are searched per KV block: its
+    list is read on the device, as CUDA graphs need. Extend launches carry a turn row per
+    entry instead, `kv_turns`.)"""
 
     ranges: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     index: torch.Tensor
     max_ranges: int = 0
+
+
+def entry_turns(ranges: list[tuple[int, int, int]], num_entries: int,
+                device: torch.device) -> torch.Tensor:
+    """[num_entries] int32: each entry's row of the turn tables, -1 outside every range
+    ((start, end, row), disjoint, over the concatenated KV lists). Three launches whatever
+    the number of ranges: a difference array, then its running sum."""
+    bounds = torch.tensor([[a for a, _, _ in ranges], [b for _, b, _ in ranges],
+                           [row + 1 for _, _, row in ranges]], dtype=torch.int64).to(device)
+    delta = torch.zeros(num_entries + 1, dtype=torch.int32, device=device)
+    values = bounds[2].to(torch.int32)
+    delta.index_add_(0, bounds[0], values)
+    delta.index_add_(0, bounds[1], -values)
+    return delta.cumsum(0, dtype=torch.int32)[:-1] - 1
 
 
 def key_turn_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,14 +381,16 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, splits: int = 1, tok_starts: torch.Tensor | None = None,
                      merge_rows: torch.Tensor | None = None,
                      q_limit: torch.Tensor | None = None,
-                     turns: KeyTurns | None = None) -> None:
+                     kv_turns: torch.Tensor | None = None,
+                     turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
     (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`.
 
     `tok_starts` (int32 on the device): each sequence's first place among the launch's query
     tokens, needed with `splits` > 1 (with `merge_rows`, each such token's row of `q`) or
     `q_limit` (int32 per query token, by that place: the last entry of the list it sees,
-    replacing the bottom-right diagonal). `turns`: re-positioned key ranges."""
+    replacing the bottom-right diagonal). `kv_turns` (int32 beside `kv_index`): each entry's
+    row of `turn_tables` (cos, sin turning a key forward by a delta), -1 for none."""
     num_seqs = q_starts.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[1]
@@ -388,14 +410,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o, mid_lse = out, out  # unused
     unused = q_starts
-    rotate = turns is not None
+    rotate = kv_turns is not None
     grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads * splits)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
         unused if tok_starts is None else tok_starts, mid_o, mid_lse,
-        turns.index if rotate else unused, turns.ranges if rotate else unused,
-        turns.cos if rotate else out, turns.sin if rotate else out,
-        unused if q_limit is None else q_limit,
+        kv_turns if rotate else unused, turn_tables[0] if rotate else out,
+        turn_tables[1] if rotate else out, unused if q_limit is None else q_limit,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
         splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
@@ -495,7 +516,8 @@ class _ExtendBatch:
     tok_starts: torch.Tensor | None = None
     merge_rows: torch.Tensor | None = None
     q_limit: torch.Tensor | None = None
-    turns: KeyTurns | None = None
+    kv_turns: torch.Tensor | None = None
+    turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -590,11 +612,11 @@ class TritonAttentionBackend:
                     device=device)
                 for i in extend])
         if tables is not None and any(meta.rotated(i) for i in extend):
-            per_seq = [meta.rotations[i] if meta.rotated(i) else () for i in extend]
-            flat = [x for ranges in per_seq for rng in ranges for x in rng]
-            batch.turns = KeyTurns(
-                ranges=_int32(flat, device), cos=tables[0], sin=tables[1],
-                index=_int32(indptr_of([len(r) for r in per_seq]), device))
+            starts = indptr_of(kv_lens)
+            ranges = [(starts[j] + a, starts[j] + b, row) for j, i in enumerate(extend)
+                      if meta.rotated(i) for a, b, row in meta.rotations[i]]
+            batch.kv_turns = entry_turns(ranges, starts[-1], device)
+            batch.turn_tables = tables
         return batch
 
     @torch.inference_mode()
@@ -611,10 +633,11 @@ class TritonAttentionBackend:
         i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
         q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=device)
         out = torch.empty_like(q)
-        turns = KeyTurns(ranges=i32([0, 1, 0]),
-                         cos=torch.ones(1, head_dim, dtype=torch.float32, device=device),
-                         sin=torch.zeros(1, head_dim, dtype=torch.float32, device=device),
-                         index=i32([0, 1]), max_ranges=1)
+        tables = (torch.ones(1, head_dim, dtype=torch.float32, device=device),
+                  torch.zeros(1, head_dim, dtype=torch.float32, device=device))
+        turns = KeyTurns(ranges=i32([0, 1, 0]), cos=tables[0], sin=tables[1],
+                         index=i32([0]), max_ranges=1)
+        # Split counts are run-time values: one per tile of the merge kernel (BLOCK_S).
         splits_ladder = [1 << i for i in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ... 64
         for splits in splits_ladder:
             variants = (itertools.product((False, True), repeat=2) if splits <= 2
@@ -622,7 +645,8 @@ class TritonAttentionBackend:
             for rotate, indexed in variants:
                 extend_attention(q, k_cache, v_cache, out, i32([0, 0]), i32([0, 2]), i32([0]),
                                  i32([2]), 2, 1.0, splits, i32([0]), i32([0, 1]),
-                                 i32([0, 1]) if indexed else None, turns if rotate else None)
+                                 i32([0, 1]) if indexed else None,
+                                 i32([0, -1]) if rotate else None, tables if rotate else None)
             for rotate in (False, True):
                 decode_attention(q, k_cache, v_cache, out, table, i32([pad_row]), i32([1]),
                                  i32([0]), splits, 1.0, turns=turns if rotate else None)
@@ -643,7 +667,7 @@ class TritonAttentionBackend:
         if e is not None:
             extend_attention(q, k_cache, v_cache, out, e.kv_index, e.kv_indptr, e.q_starts,
                              e.q_lens, e.max_q_len, scale, e.splits, e.tok_starts,
-                             e.merge_rows, e.q_limit, e.turns)
+                             e.merge_rows, e.q_limit, e.kv_turns, e.turn_tables)
         d = state.decode
         if d is not None:
             decode_attention(q, k_cache, v_cache, out, meta.table, d.rows, d.kv_lens, d.q_rows,

@@ -128,7 +128,7 @@ if triton is not None:
         k1 = tl.load(K1 + row)
         k2 = tl.load(K2 + row)
         x = _mix32(_mix32(offs.to(tl.int64) ^ k1) ^ k2)
-        u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampling.to_uniform_
         tl.store(OUT + row.to(tl.int64) * vocab + offs, u, mask=offs < vocab)
 
 
