@@ -63,6 +63,61 @@ def test_graph_replay_equals_eager_decode(checkpoint):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def _layout_prompts(recompute_ratio: float) -> list:
+    """Re-positioned chunks (sequential, standalone) and selective recompute, with a plain
+    prompt in the same batch."""
+    system = random_prompt(20, seed=1)
+    docs = [random_prompt(n, seed=10 + n) for n in (40, 75, 33, 130)]
+    return [
+        RAGPrompt(system, [docs[0], docs[1], docs[2]], random_prompt(9, seed=2),
+                  position_strategy="sequential"),
+        RAGPrompt(system, [docs[2], docs[3]], random_prompt(5, seed=3),
+                  position_strategy="sequential", chunk_attention="standalone"),
+        RAGPrompt(system, [docs[1], docs[0], docs[3]], random_prompt(12, seed=5),
+                  position_strategy="sequential", recompute="blend",
+                  recompute_ratio=recompute_ratio),
+        {"prompt_token_ids": random_prompt(300, seed=4)},
+    ]
+
+
+def test_re_positioned_and_recomputed_requests_in_bf16_graphs(checkpoint):
+    """Keys turned in the kernels' loads, queries at given entries, the turning decode
+    graphs, bf16: the first token's distribution as the float32 torch engine run eagerly
+    (recompute at r = 1, whose choice does not depend on the probe's precision)."""
+    path = checkpoint("llama")
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)
+    ref = LLM(path, device="cuda", dtype="float32", attention_backend="torch",
+              enforce_eager=True, kv_cache_tokens=4096)
+    fast = LLM(path, device="cuda", dtype="bfloat16", kv_cache_tokens=4096)
+    prompts = _layout_prompts(1.0)
+    want = ref.generate(prompts, params, use_tqdm=False)
+    for _ in range(2):  # cold, then warm
+        got = fast.generate(prompts, params, use_tqdm=False)
+        fast.check_integrity()
+        for w, g in zip(want, got, strict=True):
+            w_lp, g_lp = w.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
+            for tid, lp in w_lp.items():
+                if tid in g_lp:
+                    assert abs(g_lp[tid].logprob - lp.logprob) < 0.05, (tid, lp, g_lp[tid])
+            assert len(g.outputs[0].token_ids) == 6
+
+
+def test_turning_graphs_equal_eager_decode(checkpoint):
+    """Decode steps with re-positioned rows through the turning CUDA graphs, and partial
+    recompute, against the same engine without graphs: identical greedy tokens (float32)."""
+    path = checkpoint("qwen2")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = _layout_prompts(0.3) * 3
+    outs = []
+    for eager in (True, False):
+        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager,
+                  kv_cache_tokens=8192)
+        outs.append(llm.generate(prompts, params, use_tqdm=False))
+        llm.check_integrity()
+    for a, b in zip(*outs, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 def test_chunk_store_on_cuda(checkpoint, tmp_path):
     """The chunk store on CUDA: device-to-host copies are asynchronous (pinned memory, an event
     per record), chunks demoted to the host tier and read back from disk by a second engine,
