@@ -100,8 +100,8 @@ class SampleResult:
 # how many tokens the sequence has sampled, the vocabulary index), not from a generator with
 # state: every row of a batch is drawn by the same few tensor operations, without a loop over
 # rows or a device generator per request, and a seeded sequence gives the same tokens
-# whatever else is in the batch, whatever the engine did before, on any device (integer
-# arithmetic is exact everywhere). The hash is Wellons' lowbias32, applied twice.
+# whatever else is in the batch and whatever the engine did before, and the same draws on any
+# device (integer arithmetic is exact everywhere). The hash is Wellons' lowbias32, twice.
 _MASK32 = 0xFFFFFFFF
 _LOWBIAS = (0x7FEB352D, 0x846CA68B)
 
