@@ -605,12 +605,18 @@ class TritonAttentionBackend:
             batch.tok_starts = dev[:len(extend)]
             batch.merge_rows = dev[len(extend):] if rows else None
         if indexed:
-            # Each query's last visible entry: its own entry of the list.
-            batch.q_limit = torch.cat([
-                meta.query_index[i].to(torch.int32) if meta.indexed(i) else torch.arange(
-                    meta.kv_lens[i] - meta.q_lens[i], meta.kv_lens[i], dtype=torch.int32,
-                    device=device)
-                for i in extend])
+            # Each query's last visible entry: the diagonal's, kv_len - q_len + t, for all
+            # sequences in three launches, then the given entries of the indexed ones.
+            tok = indptr_of(q_lens)
+            shift = _int32([k - q - t for k, q, t in zip(kv_lens, q_lens, tok, strict=False)],
+                           device)
+            limit = torch.repeat_interleave(shift, _int32(q_lens, device),
+                                            output_size=tok[-1])
+            limit += torch.arange(tok[-1], dtype=torch.int32, device=device)
+            for j, i in enumerate(extend):
+                if meta.indexed(i):
+                    limit[tok[j]:tok[j + 1]] = meta.query_index[i]
+            batch.q_limit = limit
         if tables is not None and any(meta.rotated(i) for i in extend):
             starts = indptr_of(kv_lens)
             ranges = [(starts[j] + a, starts[j] + b, row) for j, i in enumerate(extend)
