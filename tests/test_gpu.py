@@ -25,6 +25,17 @@ def _prompts() -> list:
     ]
 
 
+def _assert_first_token_close(want, got) -> None:
+    """The first token's distribution the same to bf16 accuracy (top logprobs within 0.05),
+    and six tokens generated each."""
+    for w, g in zip(want, got, strict=True):
+        w_lp, g_lp = w.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
+        for tid, lp in w_lp.items():
+            if tid in g_lp:
+                assert abs(g_lp[tid].logprob - lp.logprob) < 0.05, (tid, lp, g_lp[tid])
+        assert len(g.outputs[0].token_ids) == 6
+
+
 def test_bf16_graphs_and_fused_kernels_agree_with_float32(checkpoint):
     path = checkpoint("llama")
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=5, ignore_eos=True)
@@ -37,13 +48,7 @@ def test_bf16_graphs_and_fused_kernels_agree_with_float32(checkpoint):
     for _ in range(2):  # cold, then every chunk and prefix warm
         got = fast.generate(prompts, params, use_tqdm=False)
         fast.check_integrity()
-        for w, g in zip(want, got, strict=True):
-            # First token: the same distribution to bf16 accuracy.
-            w_lp, g_lp = w.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
-            for tid, lp in w_lp.items():
-                if tid in g_lp:
-                    assert abs(g_lp[tid].logprob - lp.logprob) < 0.05, (tid, lp, g_lp[tid])
-            assert len(g.outputs[0].token_ids) == 6
+        _assert_first_token_close(want, got)
 
 
 def test_graph_replay_equals_eager_decode(checkpoint):
@@ -94,12 +99,7 @@ def test_re_positioned_and_recomputed_requests_in_bf16_graphs(checkpoint):
     for _ in range(2):  # cold, then warm
         got = fast.generate(prompts, params, use_tqdm=False)
         fast.check_integrity()
-        for w, g in zip(want, got, strict=True):
-            w_lp, g_lp = w.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
-            for tid, lp in w_lp.items():
-                if tid in g_lp:
-                    assert abs(g_lp[tid].logprob - lp.logprob) < 0.05, (tid, lp, g_lp[tid])
-            assert len(g.outputs[0].token_ids) == 6
+        _assert_first_token_close(want, got)
 
 
 def test_turning_graphs_equal_eager_decode(checkpoint):

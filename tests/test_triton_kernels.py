@@ -93,24 +93,33 @@ def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torc
     torch.manual_seed(case)
     pool_slots = 2048
     spec, total = _batch(rng, pool_slots, 512, kinds, device)
+    _compare_backends(spec, total, (heads, kv_heads, head_dim), dtype, device, seed=1)
+
+
+def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype: torch.dtype,
+                      device: str, seed: int, **extra) -> AttentionMetadata:
+    """The torch and the Triton backend on the same random pool and q/k/v (`total` tokens,
+    `shape` = heads, kv heads, head dim): both write the step's K/V to the same slots, and
+    their outputs agree (1e-5 relative in float32, 1e-2 in bfloat16). Returns the Triton
+    run's metadata."""
+    heads, kv_heads, head_dim = shape
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        pool = KVPool(1, pool_slots, kv_heads, head_dim, dtype, torch.device(device))
-        gen = torch.Generator().manual_seed(1)
+        pool = KVPool(1, 2048, kv_heads, head_dim, dtype, torch.device(device))
+        gen = torch.Generator().manual_seed(seed)
         pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
-        q = torch.randn(total, heads, head_dim, generator=gen).to(device, dtype)
-        k = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
-        v = torch.randn(total, kv_heads, head_dim, generator=gen).to(device, dtype)
-        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
+        q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device, dtype)
+                   for h in (heads, kv_heads, kv_heads))
+        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads, **extra)
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
-        # Both wrote the step's K/V to the same slots.
         outs.append(pool.kv.float())
     ref, ref_pool, got, got_pool = outs
     assert torch.equal(ref_pool, got_pool)
     assert torch.isfinite(got).all()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    return meta
 
 
 def _turn_tables(deltas: list[int], head_dim: int, device: str):
@@ -178,23 +187,8 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
     spec, total = _indexed(spec, rng, device)
     rotations = _repositioned(spec, rng)
     cos, sin = _turn_tables([7, -3, 250, 1000], head_dim, device)
-    outs = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
-        pool = KVPool(1, 2048, kv_heads, head_dim, dtype, torch.device(device))
-        gen = torch.Generator().manual_seed(case)
-        pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
-        q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device, dtype)
-                   for h in (heads, kv_heads, kv_heads))
-        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads,
-                                 rotations=rotations, rotation_cos=cos, rotation_sin=sin)
-        backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
-        outs.append(pool.kv.float())
-    ref, ref_pool, got, got_pool = outs
-    assert torch.equal(ref_pool, got_pool)
-    assert torch.isfinite(got).all()
-    err = ((got - ref).norm() / ref.norm()).item()
-    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+    meta = _compare_backends(spec, total, (heads, kv_heads, head_dim), dtype, device, seed=case,
+                             rotations=rotations, rotation_cos=cos, rotation_sin=sin)
     # The kernels took them (no torch fallback is left in the Triton backend).
     state = meta.backend_state
     decode = [i for i, q in enumerate(spec["q_lens"]) if q == 1 and spec["prefix"][i]]
