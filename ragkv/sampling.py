@@ -165,12 +165,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     batch = logits.shape[0]
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if random_rows:
-        chosen = _sample_rows(logits, random_rows, params, seeds, steps)
-        if len(random_rows) == batch:
-            token_ids = chosen
-        else:
-            token_ids[torch.tensor(random_rows, device=logits.device)] = chosen
+    if len(random_rows) == batch:
+        token_ids = _sample_rows(logits, params, seeds, steps)
+    elif random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        token_ids[rows] = _sample_rows(logits[rows], [params[i] for i in random_rows],
+                                       [seeds[i] for i in random_rows],
+                                       [steps[i] for i in random_rows])
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
         return SampleResult(token_ids.tolist(), [None] * batch, [None] * batch)
@@ -199,14 +200,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     return SampleResult(token_list, token_logprobs, top_logprobs)
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[int], all_params: list[SamplingParams],
-                 all_seeds: list[int], all_steps: list[int]) -> torch.Tensor:
-    """Token ids drawn for `rows` of `logits` after temperature, top-k, top-p and min-p.
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                 steps: list[int]) -> torch.Tensor:
+    """Token ids drawn for each row of `logits` after temperature, top-k, top-p and min-p.
     Which truncations run is decided from the parameters on the host: no device sync."""
     device = logits.device
-    params = [all_params[i] for i in rows]
-    if len(rows) != logits.shape[0]:
-        logits = logits[torch.tensor(rows, device=device)]
     vocab = logits.shape[-1]
     # One host-to-device transfer for the per-row settings.
     settings = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
@@ -234,8 +232,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[int], all_params: list[Samplin
     if any(p.min_p > 0 for p in params):
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
-    keys = torch.tensor([[all_seeds[i] for i in rows], [all_steps[i] for i in rows]],
-                        dtype=torch.int64).to(device)
+    keys = torch.tensor([seeds, steps], dtype=torch.int64).to(device)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p exactly (no
     # renormalisation needed: it does not change the argmax).
     exponential = uniform_noise(keys[0], keys[1], vocab).log_().neg_()

@@ -37,6 +37,7 @@ from .triton_attention import (
     _TritonState,
     decode_scratch,
     decode_splits,
+    padded_ranges,
 )
 
 logger = logging.getLogger(__name__)
@@ -180,15 +181,10 @@ class DecodeGraphs:
 
     def _fill_turns(self, works: Sequence) -> None:
         """The ranges of the step's re-positioned keys and the cos/sin of their deltas."""
-        width = max(len(w.kv_rotations) for w in works)
         deltas: dict[int, int] = {}  # delta -> its row of the turn tables
-        rows = []
-        for w in works:
-            row = [(start, end, deltas.setdefault(delta, len(deltas)))
-                   for start, end, delta in w.kv_rotations]
-            rows.append(row + [(0, 0, 0)] * (width - len(row)))
-        ranges = torch.tensor(rows, dtype=torch.int32)
-        self.ranges[:len(works), :width].copy_(ranges, non_blocking=True)
+        ranges = padded_ranges([[(start, end, deltas.setdefault(delta, len(deltas)))
+                                 for start, end, delta in w.kv_rotations] for w in works])
+        self.ranges[:len(works), :ranges.shape[1]].copy_(ranges, non_blocking=True)
         # rotation(d) turns a key rotated for position p into the key for p + d.
         cos, sin = self.model.rotary.rotation(list(deltas))
         self.turn_cos[:len(deltas)].copy_(cos)

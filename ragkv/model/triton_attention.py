@@ -355,6 +355,14 @@ class KeyTurns:
     max_ranges: int = 0
 
 
+def padded_ranges(per_seq: list[tuple[tuple[int, int, int], ...]]) -> torch.Tensor:
+    """[B, width, 3] int32 on the host: each sequence's (start, end, table row) ranges, padded
+    with empty ones to the longest (the decode kernel reads only the first `index[b]`)."""
+    width = max(len(r) for r in per_seq)
+    return torch.tensor([list(r) + [(0, 0, 0)] * (width - len(r)) for r in per_seq],
+                        dtype=torch.int32)
+
+
 def entry_turns(ranges: list[tuple[int, int, int]], num_entries: int,
                 device: torch.device) -> torch.Tensor:
     """[num_entries] int32: each entry's row of the turn tables, -1 outside every range
@@ -570,14 +578,11 @@ class TritonAttentionBackend:
                 num_splits=decode_splits(len(decode), meta.num_kv_heads, max_kv, device))
             if tables is not None and any(meta.rotated(i) for i in decode):
                 per_seq = [meta.rotations[i] for i in decode]
-                width = max(len(r) for r in per_seq)
-                flat = [0] * (3 * width * len(decode))
-                for b, ranges in enumerate(per_seq):
-                    for j, rng in enumerate(ranges):
-                        flat[3 * (b * width + j):3 * (b * width + j + 1)] = rng
+                ranges = padded_ranges(per_seq)
                 state.decode.turns = KeyTurns(
-                    ranges=_int32(flat, device), cos=tables[0], sin=tables[1],
-                    index=_int32([len(r) for r in per_seq], device), max_ranges=width)
+                    ranges=ranges.to(device, non_blocking=True), cos=tables[0], sin=tables[1],
+                    index=_int32([len(r) for r in per_seq], device),
+                    max_ranges=ranges.shape[1])
         if extend:
             state.extend = self._prepare_extend(meta, extend, tables, device)
         meta.backend_state = state

@@ -107,9 +107,10 @@ if triton is not None:
 
     @triton.jit
     def _mul32(x, c: tl.constexpr):
-        # (x * c) mod 2^32 in int64 with the constant in 16-bit halves: sampling._mul32.
-        # The reduction subtracts the bits above 32 (the products are non-negative) rather
-        # than masking with 0xFFFFFFFF, a literal Triton would type as uint32.
+        # (x * c) mod 2^32 in int64, the constant in 16-bit halves so no product passes 2^49
+        # (sampling._mix32_ lets the int64 product wrap instead: the same low 32 bits). The
+        # reduction subtracts the bits above 32 (the products are non-negative) rather than
+        # masking with 0xFFFFFFFF, a literal Triton would type as uint32.
         y = x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)
         return y - ((y >> 32) << 32)
 
