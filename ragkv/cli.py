@@ -85,7 +85,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         default="auto",
                         help="attention kernels: auto = triton on CUDA when it imports, else torch")
     parser.add_argument("--enforce-eager", action="store_true",
-                        help="no CUDA graphs: run every decode step eagerly")
+                        help="no CUDA graphs: run every decode and short extend step eagerly")
     parser.add_argument("--debug-checks", action="store_true",
                         help="check the scheduler's invariants after every step")
 

@@ -86,7 +86,8 @@ class EngineConfig:
     debug_checks: bool = False
     # Attention kernels: "auto" is "triton" on CUDA when Triton imports, else "torch".
     attention_backend: str = "auto"
-    # Run every step eagerly: no CUDA graphs for decode (vLLM's --enforce-eager).
+    # Run every step eagerly: no CUDA graphs for decode or short single-sequence extend steps
+    # (vLLM's --enforce-eager).
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

@@ -129,10 +129,11 @@ def test_chunk_store_on_cuda(checkpoint, tmp_path):
     want = [o.outputs[0].token_ids
             for o in LLM(path, **kwargs).generate(prompts, params, use_tqdm=False)]
     disk = f"disk:{tmp_path}:1GiB"
-    # A chunk region smaller than the documents: evictions demote chunks to the host tier.
+    # A chunk region smaller than the documents, requests one at a time (a running request
+    # pins its chunks): evictions demote chunks to the host tier, read back as hits.
     first = LLM(path, **kwargs, chunk_cache_tokens=200, chunk_store=f"host:256MiB,{disk}")
     for _ in range(2):
-        got = first.generate(prompts, params, use_tqdm=False)
+        got = [first.generate(p, params, use_tqdm=False)[0] for p in prompts]
         assert [o.outputs[0].token_ids for o in got] == want
         first.check_integrity()
     stats = first.get_chunk_cache_stats()
@@ -151,3 +152,20 @@ def test_chunk_store_on_cuda(checkpoint, tmp_path):
     assert second.get_chunk_cache_stats().store_hits == 4  # every distinct document, from disk
     second.check_integrity()
     second.engine.close()
+
+
+def test_graphs_write_only_memory_they_own(checkpoint):
+    """A captured graph keeps no reference to what it writes: every buffer it writes must stay
+    owned by the engine, or the caching allocator hands it to a later tensor that each replay
+    then overwrites. Tensors of many sizes allocated after start-up keep their values through
+    decode graphs (batch 1 and several) and extend graphs."""
+    path = checkpoint("llama")
+    llm = LLM(path, device="cuda", dtype="float32", kv_cache_tokens=4096)
+    sentinels = [torch.full((n,), 7.0, device="cuda") for n in (16, 128, 512, 2048, 16384, 131072)
+                 for _ in range(50)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm.generate(_prompts(), params, use_tqdm=False)
+    llm.generate(_prompts()[0], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    assert all(bool((t == 7.0).all()) for t in sentinels)
+    llm.check_integrity()

@@ -233,18 +233,27 @@ def test_layouts_on_the_triton_backend(layout, llama):
     run(llm, hf, [rag(S, [B, A], random_prompt(4, seed=95), layout=layout)], ["HH"])
 
 
+def _triton_llm(llama, **kwargs):
+    """The Triton engine (float32; CUDA graphs on a GPU, the interpreter without) and HF."""
+    path, hf = llama
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
+                    dtype="float32", attention_backend="triton", max_num_seqs=4,
+                    **kwargs), hf
+
+
 class _EagerGraph:
     """Stands in for a captured CUDA graph where there is no GPU: a replay runs the step the
-    graph would have captured, on the same persistent input buffers, into the same logits."""
+    graph would have captured (`forward`), on the same persistent input buffers, into the
+    same logits."""
 
-    def __init__(self, graphs, size: int, turning: bool) -> None:
-        self.graphs, self.size, self.turning = graphs, size, turning
-        self.plan = graphs.plan(size)
-        self.logits = torch.empty(size, graphs.model.config.vocab_size)
+    def __init__(self, forward, rows: int, vocab: int) -> None:
+        self.forward = forward
+        self.logits = torch.empty(rows, vocab)
         self.replays = 0
 
     def replay(self) -> None:
-        self.logits.copy_(self.graphs._forward(self.size, self.turning, *self.plan))
+        self.logits.copy_(self.forward())
         self.replays += 1
 
 
@@ -259,10 +268,7 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     pytest.importorskip("triton")
     from ragkv.model.cuda_graph import DecodeGraphs
 
-    path, hf = llama
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
-                   dtype="float32", attention_backend="triton", max_num_seqs=4)
+    llm, hf = _triton_llm(llama)
     engine = llm.engine
     graphs = engine.runner.graphs
     if graphs is None:
@@ -270,7 +276,10 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
                               engine.slot_table, 4, engine.max_model_len)
         for size in graphs.sizes:
             for turning in (False, True):
-                stand_in = _EagerGraph(graphs, size, turning)
+                plan = graphs.plan(size)
+                stand_in = _EagerGraph(
+                    lambda size=size, turning=turning, plan=plan: graphs._forward(
+                        size, turning, *plan), size, engine.model.config.vocab_size)
                 graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
         engine.runner.graphs = graphs
     runs = []
@@ -291,6 +300,50 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     if replays:  # steps with re-positioned rows ran the turning graph, the others the plain
         assert sum(n for (_, turning), n in replays.items() if turning) > 0
         assert sum(n for (_, turning), n in replays.items() if not turning) > 0
+
+
+def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
+    """Steps of one sequence with a few new tokens (a warm question over cached chunks, a short
+    prompt, the last piece of a chunked prefill) run through the extend graphs: the list
+    copied into the persistent index buffer, the tokens padded to the next graph size by a
+    second sequence over the padding slot. Re-positioned, batched and non-sampling steps stay
+    eager. On a GPU the engine's real graphs; without one, stand-ins that run the same forward
+    on the same buffers (Triton interpreted)."""
+    pytest.importorskip("triton")
+    from ragkv.model.cuda_graph import ExtendGraphs
+
+    llm, hf = _triton_llm(llama, max_num_batched_tokens=32)
+    engine = llm.engine
+    graphs = engine.runner.extend_graphs
+    if graphs is None:
+        graphs = ExtendGraphs(engine.model, engine.pool, engine.runner.backend,
+                              engine.slot_table, 32, engine.max_model_len)
+        for size in graphs.sizes:
+            splits = graphs.plan(size)
+            stand_in = _EagerGraph(lambda size=size, splits=splits: graphs._forward(
+                size, splits), 1, engine.model.config.vocab_size)
+            graphs.graphs[size] = (stand_in, stand_in.logits)
+        engine.runner.extend_graphs = graphs
+    assert graphs.sizes == [8, 16, 32]
+    runs = []
+    original = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda works: runs.append(
+        len(works[0].token_ids)) or original(works))
+    S = random_prompt(9, seed=80)
+    A, B = random_prompt(14, seed=81), random_prompt(8, seed=82)
+    run(llm, hf, [rag(S, [A, B], random_prompt(5, seed=83))])  # cold: the question is graphed
+    run(llm, hf, [rag(S, [B, A], random_prompt(8, seed=84))])  # warm, a full graph size
+    run(llm, hf, [plain(random_prompt(3, seed=85))])  # a fresh prompt, padded to 8
+    run(llm, hf, [plain(random_prompt(45, seed=86))])  # chunked: 32 eager, then 13 graphed
+    graphed = len(runs)
+    assert graphed >= 4 and 13 in runs and 8 in runs
+    # Re-positioned keys and batched steps stay eager (decode steps go to the decode graphs).
+    run(llm, hf, [rag(S, [A, B], random_prompt(4, seed=87), layout=SEQ_ALONE)])
+    run(llm, hf, [plain(random_prompt(6, seed=88)), plain(random_prompt(7, seed=89))])
+    assert len(runs) == graphed
+    replays = [g.replays for g, _ in graphs.graphs.values() if isinstance(g, _EagerGraph)]
+    if replays:
+        assert sum(replays) == graphed
 
 
 def test_dynamic_rope_refuses_re_positioning(checkpoint):

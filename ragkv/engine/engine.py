@@ -148,12 +148,16 @@ class Engine:
             self.model.use_fused_kernels()
         self.runner = ModelRunner(self.model, self.pool, backend, self.slot_table, self.device)
         if self.device.type == "cuda" and backend.name == "triton" and not config.enforce_eager:
-            from ..model.cuda_graph import DecodeGraphs
+            from ..model.cuda_graph import DecodeGraphs, ExtendGraphs
 
             graphs = DecodeGraphs(self.model, self.pool, backend, self.slot_table,
                                   min(config.max_num_seqs, _MAX_GRAPH_BATCH), self.max_model_len)
             graphs.capture()
             self.runner.graphs = graphs
+            extend = ExtendGraphs(self.model, self.pool, backend, self.slot_table,
+                                  config.max_num_batched_tokens, self.max_model_len)
+            extend.capture()
+            self.runner.extend_graphs = extend
         self.runner.warmup(min(config.max_num_batched_tokens, self.max_model_len))
         self.eos_token_ids = frozenset(self._eos_ids())
         self._rng = random.Random(config.seed)
@@ -348,8 +352,9 @@ class Engine:
         if self._asleep is None:
             return
         self.pool.restore_memory()
-        if self.runner.graphs is not None:  # captured graphs address the old pool memory
-            self.runner.graphs.capture()
+        for graphs in (self.runner.graphs, self.runner.extend_graphs):
+            if graphs is not None:  # captured graphs address the old pool memory
+                graphs.capture()
         offloaded, self._asleep = self._asleep, None
         for entry, record in offloaded:
             self.chunk_cache.insert(entry.key, entry.namespace, entry.system, entry.tokens,

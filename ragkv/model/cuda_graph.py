@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step.
+"""CUDA graphs of the decode step and of short single-sequence extend steps.
 
 A decode step of a large model is a thousand small kernels; launched one by one from Python
 the GPU waits on the host. Captured once per batch size of a ladder (1, 2, 4, 8, then every 8
@@ -15,11 +15,22 @@ sequence, and the cos/sin rows of the step's distinct deltas, at most MAX_TURNS,
 persistent buffers). Steps without any run the plain graph: the turning variant of the kernel
 holds about three times the registers (measured from the compiled kernel), which would cost
 every decode step occupancy.
+
+A short extend step of one sequence (the question of a warm RAG request over its cached chunks,
+a short prompt) streams all the weights too, and is as launch-bound: `ExtendGraphs` captures it
+for a ladder of token counts (8, 16, ... 512). The sequence's KV list is copied into a
+persistent index buffer; a step of n tokens runs the graph of the next size T >= n, the T - n
+padding tokens forming a second sequence whose list is T - n entries of the padding slot 0
+(each attends to finite values, writes only slot 0, and is never read back). The new tokens'
+slots are then the contiguous entries k - n .. k + T - n - 1 of the buffer, gathered inside
+the graph from one offset. KV splits are fixed at capture for the longest list the engine
+admits; a slice with nothing to read costs one early exit.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -34,9 +45,11 @@ from .triton_attention import (
     DecodeBatch,
     KeyTurns,
     TritonAttentionBackend,
+    _ExtendBatch,
     _TritonState,
     decode_scratch,
     decode_splits,
+    extend_splits,
     padded_ranges,
 )
 
@@ -46,6 +59,24 @@ logger = logging.getLogger(__name__)
 # more runs eagerly (through the same kernels).
 MAX_RANGES = 32
 MAX_TURNS = 64
+
+
+def capture_graph(forward, device: torch.device,
+                  mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` captured as a graph in `mempool`, and its output. Run twice first outside the
+    graph (compiles the kernels, sets up cuBLAS), on a side stream as capture requires. Every
+    tensor the graph reads or writes that `forward` does not allocate must be kept by the
+    caller: a graph holds no reference to its memory."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool):
+        out = forward()
+    return graph, out
 
 
 def batch_sizes(max_batch: int) -> list[int]:
@@ -85,12 +116,17 @@ class DecodeGraphs:
         self.logits_rows = torch.arange(self.max_batch, dtype=torch.long, device=device)
         # (batch size, turns re-positioned keys) -> (graph, its logits)
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Each graph's decode scratch, allocated before its capture: a graph holds no reference
+        # to the memory it writes, so a freed scratch would be handed to other tensors and
+        # overwritten at every replay.
+        self.scratch: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
         self.graphs.clear()  # a re-capture (wake_up) drops graphs that address freed memory
+        self.scratch.clear()
         mempool = torch.cuda.graph_pool_handle()
         # Largest first: smaller graphs reuse its memory from the shared pool.
         for size in reversed(self.sizes):
@@ -128,20 +164,10 @@ class DecodeGraphs:
 
     def _capture(self, size: int, turning: bool,
                  mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        device = self.inputs.device
         splits, scratch = self.plan(size)
-        # Warm up outside the graph (compiles the kernels, sets up cuBLAS), on a side stream
-        # as capture requires.
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(size, turning, splits, scratch)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=mempool):
-            logits = self._forward(size, turning, splits, scratch)
-        return graph, logits
+        self.scratch[(size, turning)] = scratch
+        return capture_graph(lambda: self._forward(size, turning, splits, scratch),
+                             self.inputs.device, mempool)
 
     def can_run(self, works: Sequence) -> bool:
         """Only pure decode batches: one new token per sequence whose KV list is its whole
@@ -189,3 +215,117 @@ class DecodeGraphs:
         cos, sin = self.model.rotary.rotation(list(deltas))
         self.turn_cos[:len(deltas)].copy_(cos)
         self.turn_sin[:len(deltas)].copy_(sin)
+
+
+def token_sizes(max_tokens: int) -> list[int]:
+    """Extend graphs' ladder: 8, 16, 32, ... 512, none above `max_tokens` (the step budget).
+    Longer steps are compute-bound, where launches hide behind the matmuls."""
+    return [1 << i for i in range(3, 10) if 1 << i <= max_tokens]
+
+
+class ExtendGraphs:
+    """Graphs of an extend step of one sequence of at most 512 new tokens that samples from
+    its last one (see the module docstring)."""
+
+    def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
+                 slot_table: SlotTable, max_tokens: int, max_model_len: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.slot_table = slot_table
+        self.sizes = token_sizes(max_tokens)
+        self.max_model_len = max_model_len
+        self.dynamic_rope = model.rotary.dynamic
+        self.max_positions = model.config.max_position_embeddings
+        device = pool.kv.device
+        top = self.sizes[-1] if self.sizes else 0
+        # ids, positions (padding: token 0 at position 0), then the offset k - n of the new
+        # tokens' entries and the row whose logits are returned.
+        self.inputs = torch.zeros(2 * top + 2, dtype=torch.long, device=device)
+        # kv_indptr (3), q_starts (2), q_lens (2): the sequence and the padding one.
+        self.counts = torch.zeros(7, dtype=torch.int32, device=device)
+        self.kv_index = torch.zeros(max_model_len + top, dtype=torch.int32, device=device)
+        self.arange = torch.arange(top, dtype=torch.long, device=device)
+        self.rows32 = self.arange.to(torch.int32)  # the merge's output rows: every token
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        self.graphs.clear()
+        mempool = torch.cuda.graph_pool_handle()
+        device = self.inputs.device
+        for size in reversed(self.sizes):
+            # Capture with valid lengths: one real token over one entry, the rest padding.
+            self._fill(torch.zeros(1, dtype=torch.int32, device=device), [0], [0], size)
+            splits = self.plan(size)
+            self.graphs[size] = capture_graph(functools.partial(self._forward, size, splits),
+                                              device, mempool)
+        self.pool.kv[:, :, 0].zero_()  # the padding slot, written by the dummy steps
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured CUDA graphs for extend steps of %s tokens in %.2f s", self.sizes,
+                    self.capture_seconds)
+
+    def plan(self, size: int) -> int:
+        """KV splits of the graph for `size` tokens: for the longest list the engine admits."""
+        mc = self.model.config
+        return extend_splits([size], [self.max_model_len], mc.num_heads, self.inputs.device)
+
+    def _forward(self, size: int, splits: int) -> torch.Tensor:
+        top = (self.inputs.numel() - 2) // 2
+        ids, positions = self.inputs[:size], self.inputs[top:top + size]
+        offset, logits_row = self.inputs[2 * top:2 * top + 1], self.inputs[2 * top + 1:]
+        write_slots = self.kv_index[offset + self.arange[:size]].long()
+        mc = self.model.config
+        meta = AttentionMetadata(
+            q_lens=[size], kv_lens=[size], q_starts=[0], kv_indices=[], write_slots=write_slots,
+            self_only=[False], seq_lens=[1], table=self.slot_table.table, rows=[],
+            prefix=[False], num_heads=mc.num_heads, num_kv_heads=self.pool.k.shape[2])
+        counts = self.counts
+        meta.backend_state = _TritonState(extend=_ExtendBatch(
+            kv_index=self.kv_index, kv_indptr=counts[0:3], q_starts=counts[3:5],
+            q_lens=counts[5:7], max_q_len=size, splits=splits,
+            tok_starts=counts[3:5], merge_rows=self.rows32[:size]))
+        return self.model(ids, positions, logits_row, self.pool, meta, self.backend)
+
+    def can_run(self, works: Sequence) -> bool:
+        """One sequence, at most the largest size of new tokens at the end of its list, logits
+        of its last token only, no re-positioned keys or query entries."""
+        if len(works) != 1 or not self.sizes:
+            return False
+        w = works[0]
+        n = len(w.token_ids)
+        if (n > self.sizes[-1] or not w.sample or w.end - w.logits_from != 1
+                or w.kv_rotations or w.query_index is not None or w.key_positions is not None):
+            return False
+        return not (self.dynamic_rope and w.positions[-1] >= self.max_positions)
+
+    def _fill(self, index: torch.Tensor, token_ids: list[int], positions: list[int],
+              size: int) -> None:
+        k, n = index.numel(), len(token_ids)
+        top = (self.inputs.numel() - 2) // 2
+        pad = size - n
+        host = torch.zeros(2 * top + 2, dtype=torch.long)
+        host[:n] = torch.tensor(token_ids)
+        host[top:top + n] = torch.tensor(positions)
+        host[2 * top], host[2 * top + 1] = k - n, n - 1
+        self.inputs.copy_(host, non_blocking=True)
+        self.counts.copy_(torch.tensor([0, k, k + pad, 0, n, n, pad], dtype=torch.int32),
+                          non_blocking=True)
+        self.kv_index[:k].copy_(index)
+        self.kv_index[k:k + size].zero_()
+
+    def run(self, works: Sequence) -> torch.Tensor:
+        w = works[0]
+        n = len(w.token_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        row = self.slot_table.table[w.request.kv.row]
+        spans = w.kv_spans
+        index = (row[spans[0][0]:spans[0][1]] if len(spans) == 1
+                 else torch.cat([row[a:b] for a, b in spans]))
+        self._fill(index, w.token_ids, w.positions, size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits

@@ -46,6 +46,7 @@ class ModelRunner:
         self.slot_table = slot_table
         self.device = device
         self.graphs = None  # DecodeGraphs (cuda_graph.py) once captured
+        self.extend_graphs = None  # ExtendGraphs (cuda_graph.py) once captured
         self.num_heads = model.config.num_heads
         self.num_kv_heads = pool.k.shape[2]
 
@@ -57,6 +58,8 @@ class ModelRunner:
         self.slot_table.sync(kvs.values())
         if self.graphs is not None and self.graphs.can_run(works):
             return self.graphs.run(works)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(works):
+            return self.extend_graphs.run(works)
         table = self.slot_table.table
         input_ids: list[int] = []
         positions: list[int] = []
