@@ -306,9 +306,10 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
     """Steps of one sequence with a few new tokens (a warm question over cached chunks, a short
     prompt, the last piece of a chunked prefill) run through the extend graphs: the list
     copied into the persistent index buffer, the tokens padded to the next graph size by a
-    second sequence over the padding slot. Re-positioned, batched and non-sampling steps stay
-    eager. On a GPU the engine's real graphs; without one, stand-ins that run the same forward
-    on the same buffers (Triton interpreted)."""
+    second sequence over the padding slot; re-positioned keys turned through the graphs' turn
+    buffers. Batched and non-sampling steps stay eager. On a GPU the engine's real graphs;
+    without one, stand-ins that run the same forward on the same buffers (Triton
+    interpreted)."""
     pytest.importorskip("triton")
     from ragkv.model.cuda_graph import ExtendGraphs
 
@@ -319,26 +320,33 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
         graphs = ExtendGraphs(engine.model, engine.pool, engine.runner.backend,
                               engine.slot_table, 32, engine.max_model_len)
         for size in graphs.sizes:
-            splits = graphs.plan(size)
-            stand_in = _EagerGraph(lambda size=size, splits=splits: graphs._forward(
-                size, splits), 1, engine.model.config.vocab_size)
-            graphs.graphs[size] = (stand_in, stand_in.logits)
+            for turning in (False, True):
+                splits = graphs.plan(size)
+                stand_in = _EagerGraph(lambda size=size, turning=turning, splits=splits:
+                                       graphs._forward(size, turning, splits), 1,
+                                       engine.model.config.vocab_size)
+                graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
         engine.runner.extend_graphs = graphs
     assert graphs.sizes == [8, 16, 32]
     runs = []
     original = graphs.run
     monkeypatch.setattr(graphs, "run", lambda works: runs.append(
-        len(works[0].token_ids)) or original(works))
+        (len(works[0].token_ids), len(works[0].kv_rotations))) or original(works))
     S = random_prompt(9, seed=80)
     A, B = random_prompt(14, seed=81), random_prompt(8, seed=82)
     run(llm, hf, [rag(S, [A, B], random_prompt(5, seed=83))])  # cold: the question is graphed
     run(llm, hf, [rag(S, [B, A], random_prompt(8, seed=84))])  # warm, a full graph size
     run(llm, hf, [plain(random_prompt(3, seed=85))])  # a fresh prompt, padded to 8
     run(llm, hf, [plain(random_prompt(45, seed=86))])  # chunked: 32 eager, then 13 graphed
-    graphed = len(runs)
-    assert graphed >= 4 and 13 in runs and 8 in runs
-    # Re-positioned keys and batched steps stay eager (decode steps go to the decode graphs).
+    assert len(runs) >= 4 and (13, 0) in runs and (8, 0) in runs
+    # Re-positioned chunks, cold then warm in another order: the warm question and the
+    # decode steps run the turning graphs (turn rows of an earlier, longer list left behind).
     run(llm, hf, [rag(S, [A, B], random_prompt(4, seed=87), layout=SEQ_ALONE)])
+    run(llm, hf, [rag(S, [B, A], random_prompt(6, seed=90), layout=SEQ_ALONE)])
+    run(llm, hf, [rag(S, [B], random_prompt(5, seed=91), layout=SEQ_ALONE)])
+    assert (6, 2) in runs and (5, 1) in runs
+    graphed = len(runs)
+    # Batched steps stay eager (their decode steps go to the decode graphs).
     run(llm, hf, [plain(random_prompt(6, seed=88)), plain(random_prompt(7, seed=89))])
     assert len(runs) == graphed
     replays = [g.replays for g, _ in graphs.graphs.values() if isinstance(g, _EagerGraph)]

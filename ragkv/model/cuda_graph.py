@@ -18,13 +18,13 @@ every decode step occupancy.
 
 A short extend step of one sequence (the question of a warm RAG request over its cached chunks,
 a short prompt) streams all the weights too, and is as launch-bound: `ExtendGraphs` captures it
-for a ladder of token counts (8, 16, ... 512). The sequence's KV list is copied into a
-persistent index buffer; a step of n tokens runs the graph of the next size T >= n, the T - n
-padding tokens forming a second sequence whose list is T - n entries of the padding slot 0
-(each attends to finite values, writes only slot 0, and is never read back). The new tokens'
-slots are then the contiguous entries k - n .. k + T - n - 1 of the buffer, gathered inside
-the graph from one offset. KV splits are fixed at capture for the longest list the engine
-admits; a slice with nothing to read costs one early exit.
+for a ladder of token counts (8, 16, ... 512), plain and turning re-positioned keys. The
+sequence's KV list is copied into a persistent index buffer; a step of n tokens runs the graph
+of the next size T >= n, the T - n padding tokens forming a second sequence whose list is T - n
+entries of the padding slot 0 (each attends to finite values, writes only slot 0, and is never
+read back). The new tokens' slots are then the contiguous entries k - n .. k + T - n - 1 of the
+buffer, gathered inside the graph from one offset. KV splits are fixed at capture for the
+longest list the engine admits; a slice with nothing to read costs one early exit.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from .triton_attention import (
     _TritonState,
     decode_scratch,
     decode_splits,
+    entry_turns,
     extend_splits,
     padded_ranges,
 )
@@ -211,10 +212,16 @@ class DecodeGraphs:
         ranges = padded_ranges([[(start, end, deltas.setdefault(delta, len(deltas)))
                                  for start, end, delta in w.kv_rotations] for w in works])
         self.ranges[:len(works), :ranges.shape[1]].copy_(ranges, non_blocking=True)
-        # rotation(d) turns a key rotated for position p into the key for p + d.
-        cos, sin = self.model.rotary.rotation(list(deltas))
-        self.turn_cos[:len(deltas)].copy_(cos)
-        self.turn_sin[:len(deltas)].copy_(sin)
+        fill_turn_tables(self.model, deltas, self.turn_cos, self.turn_sin)
+
+
+def fill_turn_tables(model: CausalLM, deltas: dict[int, int], cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    """Rows 0 .. len(deltas) - 1 of a graph's turn tables: the cos, sin turning a key forward
+    by each delta (rotation(d) turns a key rotated for position p into the key for p + d)."""
+    c, s = model.rotary.rotation(list(deltas))
+    cos[:len(deltas)].copy_(c)
+    sin[:len(deltas)].copy_(s)
 
 
 def token_sizes(max_tokens: int) -> list[int]:
@@ -225,7 +232,10 @@ def token_sizes(max_tokens: int) -> list[int]:
 
 class ExtendGraphs:
     """Graphs of an extend step of one sequence of at most 512 new tokens that samples from
-    its last one (see the module docstring)."""
+    its last one (see the module docstring). Like the decode graphs, each size has a second
+    graph whose extend kernel turns re-positioned keys: each KV entry's row of the turn tables
+    (-1: none) in a persistent buffer beside the index, the tables' cos/sin rows (one per
+    distinct delta, at most MAX_TURNS) in two more."""
 
     def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
                  slot_table: SlotTable, max_tokens: int, max_model_len: int) -> None:
@@ -247,7 +257,12 @@ class ExtendGraphs:
         self.kv_index = torch.zeros(max_model_len + top, dtype=torch.int32, device=device)
         self.arange = torch.arange(top, dtype=torch.long, device=device)
         self.rows32 = self.arange.to(torch.int32)  # the merge's output rows: every token
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.kv_turns = torch.full((max_model_len + top,), -1, dtype=torch.int32, device=device)
+        head_dim = model.config.head_dim
+        self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
+        self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
+        # (token count, turns re-positioned keys) -> (graph, its logits)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
     @torch.inference_mode()
@@ -260,8 +275,9 @@ class ExtendGraphs:
             # Capture with valid lengths: one real token over one entry, the rest padding.
             self._fill(torch.zeros(1, dtype=torch.int32, device=device), [0], [0], size)
             splits = self.plan(size)
-            self.graphs[size] = capture_graph(functools.partial(self._forward, size, splits),
-                                              device, mempool)
+            for turning in (False, True):
+                self.graphs[(size, turning)] = capture_graph(
+                    functools.partial(self._forward, size, turning, splits), device, mempool)
         self.pool.kv[:, :, 0].zero_()  # the padding slot, written by the dummy steps
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -273,7 +289,7 @@ class ExtendGraphs:
         mc = self.model.config
         return extend_splits([size], [self.max_model_len], mc.num_heads, self.inputs.device)
 
-    def _forward(self, size: int, splits: int) -> torch.Tensor:
+    def _forward(self, size: int, turning: bool, splits: int) -> torch.Tensor:
         top = (self.inputs.numel() - 2) // 2
         ids, positions = self.inputs[:size], self.inputs[top:top + size]
         offset, logits_row = self.inputs[2 * top:2 * top + 1], self.inputs[2 * top + 1:]
@@ -287,18 +303,21 @@ class ExtendGraphs:
         meta.backend_state = _TritonState(extend=_ExtendBatch(
             kv_index=self.kv_index, kv_indptr=counts[0:3], q_starts=counts[3:5],
             q_lens=counts[5:7], max_q_len=size, splits=splits,
-            tok_starts=counts[3:5], merge_rows=self.rows32[:size]))
+            tok_starts=counts[3:5], merge_rows=self.rows32[:size],
+            kv_turns=self.kv_turns if turning else None,
+            turn_tables=(self.turn_cos, self.turn_sin) if turning else None))
         return self.model(ids, positions, logits_row, self.pool, meta, self.backend)
 
     def can_run(self, works: Sequence) -> bool:
         """One sequence, at most the largest size of new tokens at the end of its list, logits
-        of its last token only, no re-positioned keys or query entries."""
+        of its last token only, at most MAX_TURNS distinct deltas, no query entries."""
         if len(works) != 1 or not self.sizes:
             return False
         w = works[0]
         n = len(w.token_ids)
         if (n > self.sizes[-1] or not w.sample or w.end - w.logits_from != 1
-                or w.kv_rotations or w.query_index is not None or w.key_positions is not None):
+                or w.query_index is not None or w.key_positions is not None
+                or len({d for _, _, d in w.kv_rotations}) > MAX_TURNS):
             return False
         return not (self.dynamic_rope and w.positions[-1] >= self.max_positions)
 
@@ -326,6 +345,14 @@ class ExtendGraphs:
         index = (row[spans[0][0]:spans[0][1]] if len(spans) == 1
                  else torch.cat([row[a:b] for a, b in spans]))
         self._fill(index, w.token_ids, w.positions, size)
-        graph, logits = self.graphs[size]
+        turning = bool(w.kv_rotations)
+        if turning:
+            k = index.numel()
+            deltas: dict[int, int] = {}  # delta -> its row of the turn tables
+            ranges = [(a, b, deltas.setdefault(d, len(deltas))) for a, b, d in w.kv_rotations]
+            self.kv_turns[:k].copy_(entry_turns(ranges, k, index.device))
+            self.kv_turns[k:k + size].fill_(-1)  # the padding sequence's entries
+            fill_turn_tables(self.model, deltas, self.turn_cos, self.turn_sin)
+        graph, logits = self.graphs[(size, turning)]
         graph.replay()
         return logits

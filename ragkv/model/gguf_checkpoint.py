@@ -169,14 +169,15 @@ def load_gguf_tokenizer(path: str):
 
     Building it from the metadata takes seconds (a 50k-entry vocabulary read entry by entry),
     so the result is saved under $RAGKV_CACHE_DIR/gguf-tokenizers/, keyed by the file's content
-    digest and the transformers version, and later loads read that copy.
+    digest, the transformers version and the build's own version (v2: the file's BOS/EOS
+    flags applied), and later loads read that copy.
     """
     import transformers
     from transformers import AutoTokenizer
 
     import_gguf()  # transformers reads the metadata with it
     cached = (cache_root() / "gguf-tokenizers"
-              / f"{file_digest(path)[:32]}-transformers-{transformers.__version__}")
+              / f"{file_digest(path)[:32]}-transformers-{transformers.__version__}-v2")
     if (cached / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
@@ -190,6 +191,13 @@ def load_gguf_tokenizer(path: str):
         raise ValueError(f"could not build a tokenizer from the metadata of {path!r} "
                          f"({type(e).__name__}: {e}); pass --tokenizer DIR with an HF tokenizer"
                          ) from e
+    # Whether a BOS (EOS) token starts (ends) every encoding is the file's to say: transformers
+    # releases disagree on it (5.17 ignores add_bos_token, 5.24 follows it).
+    meta = _Metadata(import_gguf().GGUFReader(path), path)
+    for flag in ("add_bos_token", "add_eos_token"):
+        value = meta.get(f"tokenizer.ggml.{flag}")
+        if value is not None and hasattr(tokenizer, flag):
+            setattr(tokenizer, flag, bool(value))
     _save_tokenizer(tokenizer, cached)
     return tokenizer
 
