@@ -57,7 +57,11 @@ def test_graph_replay_equals_eager_decode(checkpoint):
     has: the same attention, summed in another order."""
     path = checkpoint("qwen2")
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
-    prompts = _prompts() * 3  # 12 sequences: a padded graph batch size (16)
+    _assert_graphs_equal_eager(path, _prompts() * 3, params)  # 12: a padded batch size (16)
+
+
+def _assert_graphs_equal_eager(path: str, prompts: list, params: SamplingParams) -> None:
+    """The same float32 engine with and without CUDA graphs: identical greedy tokens."""
     outs = []
     for eager in (True, False):
         llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager,
@@ -105,17 +109,8 @@ def test_re_positioned_and_recomputed_requests_in_bf16_graphs(checkpoint):
 def test_turning_graphs_equal_eager_decode(checkpoint):
     """Decode steps with re-positioned rows through the turning CUDA graphs, and partial
     recompute, against the same engine without graphs: identical greedy tokens (float32)."""
-    path = checkpoint("qwen2")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = _layout_prompts(0.3) * 3
-    outs = []
-    for eager in (True, False):
-        llm = LLM(path, device="cuda", dtype="float32", enforce_eager=eager,
-                  kv_cache_tokens=8192)
-        outs.append(llm.generate(prompts, params, use_tqdm=False))
-        llm.check_integrity()
-    for a, b in zip(*outs, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    _assert_graphs_equal_eager(checkpoint("qwen2"), _layout_prompts(0.3) * 3, params)
 
 
 def test_chunk_store_on_cuda(checkpoint, tmp_path):

@@ -257,6 +257,16 @@ class _EagerGraph:
         self.replays += 1
 
 
+def _stand_in_graphs(graphs, rows) -> None:
+    """Every (size, turning) graph of `graphs` (DecodeGraphs or ExtendGraphs) replaced by a
+    stand-in replaying the step it would capture, into logits of `rows(size)` rows."""
+    vocab = graphs.model.config.vocab_size
+    for size in graphs.sizes:
+        for turning in (False, True):
+            stand_in = _EagerGraph(graphs.graph_forward(size, turning), rows(size), vocab)
+            graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
+
+
 @pytest.mark.parametrize("layout", [SEQ_ISO, SEQ_ALONE], ids=LAYOUT_IDS[::2])
 def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     """Decode steps of re-positioned requests run through the CUDA-graph path: ranges and the
@@ -274,13 +284,7 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     if graphs is None:
         graphs = DecodeGraphs(engine.model, engine.pool, engine.runner.backend,
                               engine.slot_table, 4, engine.max_model_len)
-        for size in graphs.sizes:
-            for turning in (False, True):
-                plan = graphs.plan(size)
-                stand_in = _EagerGraph(
-                    lambda size=size, turning=turning, plan=plan: graphs._forward(
-                        size, turning, *plan), size, engine.model.config.vocab_size)
-                graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
+        _stand_in_graphs(graphs, rows=lambda size: size)
         engine.runner.graphs = graphs
     runs = []
     original = graphs.run
@@ -319,13 +323,7 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
     if graphs is None:
         graphs = ExtendGraphs(engine.model, engine.pool, engine.runner.backend,
                               engine.slot_table, 32, engine.max_model_len)
-        for size in graphs.sizes:
-            for turning in (False, True):
-                splits = graphs.plan(size)
-                stand_in = _EagerGraph(lambda size=size, turning=turning, splits=splits:
-                                       graphs._forward(size, turning, splits), 1,
-                                       engine.model.config.vocab_size)
-                graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
+        _stand_in_graphs(graphs, rows=lambda size: 1)
         engine.runner.extend_graphs = graphs
     assert graphs.sizes == [8, 16, 32]
     runs = []

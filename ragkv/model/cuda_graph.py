@@ -132,7 +132,8 @@ class DecodeGraphs:
         # Largest first: smaller graphs reuse its memory from the shared pool.
         for size in reversed(self.sizes):
             for turning in (False, True):
-                self.graphs[(size, turning)] = self._capture(size, turning, mempool)
+                self.graphs[(size, turning)] = capture_graph(
+                    self.graph_forward(size, turning), self.inputs.device, mempool)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured CUDA graphs for decode batch sizes %s in %.2f s", self.sizes,
@@ -163,12 +164,12 @@ class DecodeGraphs:
         mc = self.model.config
         return splits, decode_scratch(size, mc.num_heads, mc.head_dim, splits, device)
 
-    def _capture(self, size: int, turning: bool,
-                 mempool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def graph_forward(self, size: int, turning: bool):
+        """The step that the graph (size, turning) captures, as a call without arguments;
+        its scratch kept for the graph's life."""
         splits, scratch = self.plan(size)
         self.scratch[(size, turning)] = scratch
-        return capture_graph(lambda: self._forward(size, turning, splits, scratch),
-                             self.inputs.device, mempool)
+        return functools.partial(self._forward, size, turning, splits, scratch)
 
     def can_run(self, works: Sequence) -> bool:
         """Only pure decode batches: one new token per sequence whose KV list is its whole
@@ -248,7 +249,7 @@ class ExtendGraphs:
         self.dynamic_rope = model.rotary.dynamic
         self.max_positions = model.config.max_position_embeddings
         device = pool.kv.device
-        top = self.sizes[-1] if self.sizes else 0
+        self.top = top = self.sizes[-1] if self.sizes else 0
         # ids, positions (padding: token 0 at position 0), then the offset k - n of the new
         # tokens' entries and the row whose logits are returned.
         self.inputs = torch.zeros(2 * top + 2, dtype=torch.long, device=device)
@@ -274,10 +275,9 @@ class ExtendGraphs:
         for size in reversed(self.sizes):
             # Capture with valid lengths: one real token over one entry, the rest padding.
             self._fill(torch.zeros(1, dtype=torch.int32, device=device), [0], [0], size)
-            splits = self.plan(size)
             for turning in (False, True):
                 self.graphs[(size, turning)] = capture_graph(
-                    functools.partial(self._forward, size, turning, splits), device, mempool)
+                    self.graph_forward(size, turning), device, mempool)
         self.pool.kv[:, :, 0].zero_()  # the padding slot, written by the dummy steps
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -289,8 +289,12 @@ class ExtendGraphs:
         mc = self.model.config
         return extend_splits([size], [self.max_model_len], mc.num_heads, self.inputs.device)
 
+    def graph_forward(self, size: int, turning: bool):
+        """The step that the graph (size, turning) captures, as a call without arguments."""
+        return functools.partial(self._forward, size, turning, self.plan(size))
+
     def _forward(self, size: int, turning: bool, splits: int) -> torch.Tensor:
-        top = (self.inputs.numel() - 2) // 2
+        top = self.top
         ids, positions = self.inputs[:size], self.inputs[top:top + size]
         offset, logits_row = self.inputs[2 * top:2 * top + 1], self.inputs[2 * top + 1:]
         write_slots = self.kv_index[offset + self.arange[:size]].long()
@@ -324,7 +328,7 @@ class ExtendGraphs:
     def _fill(self, index: torch.Tensor, token_ids: list[int], positions: list[int],
               size: int) -> None:
         k, n = index.numel(), len(token_ids)
-        top = (self.inputs.numel() - 2) // 2
+        top = self.top
         pad = size - n
         host = torch.zeros(2 * top + 2, dtype=torch.long)
         host[:n] = torch.tensor(token_ids)
