@@ -7,7 +7,8 @@ bandwidth (a large device-to-device copy, bytes read + written) and bf16 matmul 
 (8192^3). Rows:
 - prefill of a 4,288-token prompt (ragkv TTFT vs one HF forward; MFU against the measured peak);
 - warm RAG TTFT: 128 + 8 x 512 + 64 tokens, every chunk cached (floor: one pass over the
-  weights), and its cold TTFT;
+  weights), and its cold TTFT; the question's attention kernel alone, with the GQA group's
+  heads packed into its tiles and without (floor: one read of the K/V);
 - decode ms/step at batch 1 and 32 after warm-up, T(128) - T(1) over 127 steps, and the first
   pass over lengths never seen before against a repeat;
 - a mixed workload, 16 prompts of 300-2,000 tokens x 32 tokens, twice with fresh lengths
@@ -148,6 +149,45 @@ def profile_request(run, out_dir: str, label: str) -> None:
         f.write(text.getvalue())
     print(f"[profile {label}] device time {device_us / 1e3:.2f} ms over {launches} kernels",
           flush=True)
+
+
+def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: int,
+                       reps: int) -> dict:
+    """The extend kernel alone at the warm question's shape (n_q queries over n_kv cached
+    entries at scattered slots), one launch per layer captured in a CUDA graph (device time,
+    no launch overhead), with the group's heads packed into the tiles and without; against
+    one read of the K/V it attends to."""
+    from ragkv.model import triton_attention as ta
+
+    device = torch.device(args.device)
+    head_dim = args.hidden // args.heads
+    slots = 2 * n_kv + 1
+    gen = torch.Generator(device=device).manual_seed(0)
+    k_cache, v_cache = (torch.randn(slots, args.kv_heads, head_dim, generator=gen,
+                                    device=device, dtype=dtype) for _ in range(2))
+    q = torch.randn(n_q, args.heads, head_dim, generator=gen, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    kv_index = torch.randperm(slots - 1, generator=gen, device=device)[:n_kv].int() + 1
+    figures = {}
+    for pack in (False, True):
+        splits = ta.extend_splits([n_q], [n_kv], args.heads, args.kv_heads, device, pack)
+        step = lambda pack=pack, splits=splits: ta.extend_attention(  # noqa: E731
+            q, k_cache, v_cache, out, kv_index, i32([0, n_kv]), i32([0]), i32([n_q]), n_q,
+            head_dim ** -0.5, splits, i32([0]), i32(list(range(n_q))), pack=pack)
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(args.layers):
+                step()
+        graph.replay()
+        times = [timed(graph.replay, args.device) for _ in range(reps * 4)]
+        figures["packed" if pack else "unpacked"] = statistics.median(times)
+        figures[f"splits_{'packed' if pack else 'unpacked'}"] = splits
+    figures["floor"] = (args.layers * n_kv * 2 * args.kv_heads * head_dim * dtype.itemsize
+                        / floors["bandwidth"])
+    return figures
 
 
 def ids(n: int, rng: random.Random) -> list[int]:
@@ -294,6 +334,18 @@ def main() -> None:
         rows.append((f"warm RAG TTFT, 128 + 8x{doc_len} + 64, all cached (cold "
                      f"{cold * 1e3:.1f} ms)", warm, None, floor, ""))
         say(f"RAG TTFT: warm {warm * 1e3:.1f} ms, cold {cold * 1e3:.1f} ms")
+
+        if llm.engine.runner.backend.name == "triton" and device.startswith("cuda"):
+            n_kv = 128 + 8 * doc_len + 64
+            kernel = question_attention(args, dtype, floors, 64, n_kv, reps)
+            fig["question_attention"] = kernel
+            rows.append((f"question's attention alone, {args.layers} layers x 64 over {n_kv}, "
+                         "heads packed", kernel["packed"], None, kernel["floor"],
+                         f"unpacked {kernel['unpacked'] * 1e3:.2f} ms (splits "
+                         f"{kernel['splits_packed']} / {kernel['splits_unpacked']})"))
+            say(f"question attention: packed {kernel['packed'] * 1e3:.2f} ms, unpacked "
+                f"{kernel['unpacked'] * 1e3:.2f} ms, K/V read floor "
+                f"{kernel['floor'] * 1e3:.2f} ms")
 
         def one_rag(**layout) -> None:
             order = docs[:]

@@ -84,16 +84,26 @@ if CUDA:
               (16, 2, 64, ["decode"] * 17 + ["question"])]
 
 
+@pytest.mark.parametrize("pack", [None, False, True])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torch.dtype):
+def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torch.dtype, pack,
+                                             monkeypatch):
+    """pack None: the kernel decides whether a tile packs a group's heads; False / True:
+    every extend launch does or does not."""
     heads, kv_heads, head_dim, kinds = CASES[case]
+    _force_packing(monkeypatch, pack)
     rng = random.Random(case)
     torch.manual_seed(case)
     pool_slots = 2048
     spec, total = _batch(rng, pool_slots, 512, kinds, device)
     _compare_backends(spec, total, (heads, kv_heads, head_dim), dtype, device, seed=1)
+
+
+def _force_packing(monkeypatch, pack: bool | None) -> None:
+    if pack is not None:
+        monkeypatch.setattr(triton_attention, "extend_packs", lambda *a: pack)
 
 
 def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype: torch.dtype,
@@ -171,19 +181,21 @@ def _indexed(spec: dict, rng: random.Random, device: str) -> dict:
     return spec, total
 
 
-@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("splits,pack", [(None, None), (3, False), (3, True), (1, True)])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, device: str,
                                                                 dtype: torch.dtype, splits,
-                                                                monkeypatch):
+                                                                pack, monkeypatch):
     """Re-positioned key ranges (turned in the kernels' K loads) and queries at given entries
     of their list (selective recompute) against the torch backend, which turns the queries
-    instead and masks explicitly: decode rows, extend rows, KV splits, shared chunk slots."""
+    instead and masks explicitly: decode rows, extend rows, KV splits, packed heads, shared
+    chunk slots."""
     heads, kv_heads, head_dim, kinds = CASES[case]
     if splits is not None:
         monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    _force_packing(monkeypatch, pack)
     rng = random.Random(100 + case)
     spec, _ = _batch(rng, 2048, 512, kinds, device)
     spec, total = _indexed(spec, rng, device)
@@ -204,11 +216,12 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [2, 5])
-def test_extend_kv_splits_merge_exactly(device: str, splits: int, monkeypatch):
+@pytest.mark.parametrize("splits,pack", [(2, False), (5, False), (5, True)])
+def test_extend_kv_splits_merge_exactly(device: str, splits: int, pack: bool, monkeypatch):
     """Query blocks over long lists cut into KV slices (rows that see nothing in a slice, a
     chunk job's gapped list, a fresh prefill) merge to the unsplit result."""
     monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    _force_packing(monkeypatch, pack)
     rng = random.Random(splits)
     heads, kv_heads, head_dim = 4, 2, 32
     spec, total = _batch(rng, 2048, 512, ["question", "chunk", "prefill", "decode"], device)
@@ -336,8 +349,9 @@ def test_warmup_compiles_every_variant_and_touches_no_slot(device: str):
     compiled = _compiled_variants()
     # CASES[0] has the warm-up's head shape (another shape is another kernel).
     assert CASES[0][:3] == (heads, kv_heads, head_dim)
-    for splits in (None, 2, 7):
-        test_kernels_turn_re_positioned_keys_and_take_query_entries(
-            0, device, torch.float32, splits, pytest.MonkeyPatch())
+    for splits, pack in ((None, None), (2, False), (7, True)):
+        with pytest.MonkeyPatch.context() as patch:
+            test_kernels_turn_re_positioned_keys_and_take_query_entries(
+                0, device, torch.float32, splits, pack, patch)
     if compiled is not None:
         assert _compiled_variants() == compiled

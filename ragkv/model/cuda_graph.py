@@ -287,7 +287,8 @@ class ExtendGraphs:
     def plan(self, size: int) -> int:
         """KV splits of the graph for `size` tokens: for the longest list the engine admits."""
         mc = self.model.config
-        return extend_splits([size], [self.max_model_len], mc.num_heads, self.inputs.device)
+        return extend_splits([size], [self.max_model_len], mc.num_heads, mc.num_kv_heads,
+                             self.inputs.device)
 
     def graph_forward(self, size: int, turning: bool):
         """The step that the graph (size, turning) captures, as a call without arguments."""

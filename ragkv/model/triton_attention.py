@@ -138,6 +138,9 @@ if triton is not None:
     # ROTATE: `kv_turns`, beside `kv_index`, holds each entry's row of the turn tables (-1:
     # the key as stored).
     # INDEXED: query t of a sequence sees entries 0 .. q_limit[tok_starts[i] + t].
+    # PACK: a tile's rows are (token, head) pairs of one KV head's group, token-major, so a
+    # few query tokens still fill the tile and the group's K/V blocks are read once for all
+    # its heads (as in the decode kernel); otherwise a tile is BLOCK_M tokens of one head.
     @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "tok_starts",
                                    "kv_turns", "q_limit", "splits", "stride_mb", "stride_mh"])
     def _extend_kernel(
@@ -149,34 +152,49 @@ if triton is not None:
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         SPLIT: tl.constexpr, ROTATE: tl.constexpr, INDEXED: tl.constexpr,
+        PACK: tl.constexpr,
     ):
         seq = tl.program_id(0)
         block = tl.program_id(1)
-        head = tl.program_id(2) // splits
         split = tl.program_id(2) % splits
         q_len = tl.load(q_lens + seq)
-        if block * BLOCK_M >= q_len:
-            return
+        offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        if PACK:
+            if block * BLOCK_M >= q_len * GROUP:
+                return
+            kv_head = tl.program_id(2) // splits
+            tok = offs_r // GROUP  # each row's query token and head
+            head = kv_head * GROUP + offs_r % GROUP
+        else:
+            if block * BLOCK_M >= q_len:
+                return
+            head0 = tl.program_id(2) // splits
+            kv_head = head0 // GROUP
+            tok = offs_r
+            head = head0 + offs_r * 0
         q_start = tl.load(q_starts + seq)
         kv_begin = tl.load(kv_indptr + seq)
         kv_len = tl.load(kv_indptr + seq + 1) - kv_begin
-        kv_head = head // GROUP
-        offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
-        m_valid = offs_m < q_len
+        m_valid = tok < q_len
         d_valid = offs_d < HEAD_DIM
-        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh
+        q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
                     + offs_d[None, :], mask=m_valid[:, None] & d_valid[None, :], other=0.0)
         # Row i sees entries 0 .. lim[i]; `hi` ends the entries any row of the block sees and
         # `edge` the ones every row sees.
-        if INDEXED:
+        diag = kv_len - q_len  # bottom-right causal: token t sees entries 0 .. diag + t
+        if INDEXED or PACK:
+            if INDEXED:
+                lim = tl.load(q_limit + tl.load(tok_starts + seq) + tok, mask=m_valid,
+                              other=0)
+            else:
+                lim = diag + tok
             # Rows past the sequence's queries see entry 0 only: finite, never stored.
-            lim = tl.load(q_limit + tl.load(tok_starts + seq) + offs_m, mask=m_valid, other=0)
+            lim = tl.where(m_valid, lim, 0)
             hi = tl.minimum(kv_len, tl.max(lim, 0) + 1)
             edge = tl.min(tl.where(m_valid, lim, kv_len), 0) + 1
-        else:  # bottom-right causal: query t (of q_len) sees entries 0 .. kv_len - q_len + t
-            diag = kv_len - q_len
-            lim = diag + offs_m
+        else:
+            lim = diag + tok
             hi = tl.minimum(kv_len, diag + (block + 1) * BLOCK_M)
             edge = diag + block * BLOCK_M + 1
         # This program's slice [lo, end) of the entries the block attends to.
@@ -202,14 +220,14 @@ if triton is not None:
                                           True, PRECISION, ROTATE, HEAD_DIM)
         if not SPLIT:  # entry 0 is in every row's view, so l_i > 0
             out = acc / l_i[:, None]
-            tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh
+            tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
                      + offs_d[None, :], out.to(Out.dtype.element_ty),
                      mask=m_valid[:, None] & d_valid[None, :])
         else:  # a row may see nothing in this slice: lse -inf, skipped by the merge
             seen = l_i > 0
             out = acc / tl.where(seen, l_i, 1.0)[:, None]
             lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-            row = tl.load(tok_starts + seq) + offs_m
+            row = tl.load(tok_starts + seq) + tok
             base = row * stride_mb + head * stride_mh + split  # mid_lse [T, H, S]
             tl.store(mid_lse + base, lse, mask=m_valid)
             tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
@@ -324,13 +342,38 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int,
-                  device: torch.device) -> int:
+def _extend_tiles(device: torch.device, dtype: torch.dtype,
+                  block_d: int) -> tuple[int, int, int, int]:
+    """The extend kernel's BLOCK_M, BLOCK_N, warps and pipeline stages."""
+    if device.type != "cuda":  # the interpreter: small tiles keep it quick
+        return 16, 16, 1, 1
+    if dtype == torch.float32:  # float32 tiles take twice the registers and shared memory
+        return 64, 32, 4, 2
+    return EXTEND_BLOCK_M, 64, (4 if block_d <= 64 else 8), 3
+
+
+def extend_packs(max_q_len: int, group: int, block_m: int = EXTEND_BLOCK_M) -> bool:
+    """Whether the extend kernel packs each KV head's group of query heads into its tiles'
+    rows: when the queries are fewer than a tile's rows (a question over cached chunks, a
+    short prompt), which would otherwise leave tiles partly empty and read each K/V block
+    once per query head. Longer steps keep one head per tile (as many programs either way)."""
+    return group > 1 and max_q_len < block_m
+
+
+def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int, kv_heads: int,
+                  device: torch.device, pack: bool | None = None) -> int:
     """KV slices per (sequence, query block, head): 1 when those already fill the GPU, else
-    enough for about two waves, no slice under 512 entries."""
+    enough for about two waves, no slice under 512 entries. `pack`: whether the launch packs
+    heads (None: as `extend_packs` decides)."""
     if device.type != "cuda":
         return 1 if max(kv_lens) <= 64 else 2
-    programs = sum(-(-q // EXTEND_BLOCK_M) for q in q_lens) * heads
+    group = heads // kv_heads
+    if pack is None:
+        pack = extend_packs(max(q_lens), group)
+    if pack:
+        programs = sum(-(-q * group // EXTEND_BLOCK_M) for q in q_lens) * kv_heads
+    else:
+        programs = sum(-(-q // EXTEND_BLOCK_M) for q in q_lens) * heads
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= sms:
         return 1
@@ -390,7 +433,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      merge_rows: torch.Tensor | None = None,
                      q_limit: torch.Tensor | None = None,
                      kv_turns: torch.Tensor | None = None,
-                     turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                     turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     pack: bool | None = None) -> None:
     """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
     (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`.
 
@@ -398,28 +442,27 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tokens, needed with `splits` > 1 (with `merge_rows`, each such token's row of `q`) or
     `q_limit` (int32 per query token, by that place: the last entry of the list it sees,
     replacing the bottom-right diagonal). `kv_turns` (int32 beside `kv_index`): each entry's
-    row of `turn_tables` (cos, sin turning a key forward by a delta), -1 for none."""
+    row of `turn_tables` (cos, sin turning a key forward by a delta), -1 for none. `pack`:
+    the group's heads share tiles (see `extend_packs`, which decides when None)."""
     num_seqs = q_starts.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[1]
     block_d = max(16, _next_pow2(head_dim))
     # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    block_m = EXTEND_BLOCK_M
-    if q.device.type == "cuda":
-        if precision == "ieee":  # float32 tiles take twice the registers and shared memory
-            block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
-        else:
-            block_n, num_warps, num_stages = 64, (4 if block_d <= 64 else 8), 3
-    else:  # the interpreter: small tiles keep it quick
-        block_m, block_n, num_warps, num_stages = 16, 16, 1, 1
+    block_m, block_n, num_warps, num_stages = _extend_tiles(q.device, q.dtype, block_d)
+    if pack is None:
+        pack = extend_packs(max_q_len, group, block_m)
     if splits > 1:
         mid_o, mid_lse = decode_scratch(merge_rows.numel(), heads, head_dim, splits, q.device)
     else:
         mid_o, mid_lse = out, out  # unused
     unused = q_starts
     rotate = kv_turns is not None
-    grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads * splits)
+    if pack:
+        grid = (num_seqs, triton.cdiv(max_q_len * group, block_m), heads // group * splits)
+    else:
+        grid = (num_seqs, triton.cdiv(max_q_len, block_m), heads * splits)
     _extend_kernel[grid](
         q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
         unused if tok_starts is None else tok_starts, mid_o, mid_lse,
@@ -429,7 +472,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
         splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PRECISION=precision, SPLIT=splits > 1, ROTATE=rotate,
-        INDEXED=q_limit is not None,
+        INDEXED=q_limit is not None, PACK=pack,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -599,7 +642,7 @@ class TritonAttentionBackend:
         batch = _ExtendBatch(
             kv_index=torch.cat([meta.kv_indices[i] for i in extend]), kv_indptr=dev[0],
             q_starts=dev[1, :-1], q_lens=dev[2, :-1], max_q_len=max(q_lens),
-            splits=extend_splits(q_lens, kv_lens, meta.num_heads, device))
+            splits=extend_splits(q_lens, kv_lens, meta.num_heads, meta.num_kv_heads, device))
         indexed = any(meta.indexed(i) for i in extend)
         if batch.splits > 1 or indexed:
             rows = []
@@ -633,11 +676,11 @@ class TritonAttentionBackend:
     @torch.inference_mode()
     def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int) -> None:
         """Compile every variant of the kernels before the first request: the extend kernel
-        with and without KV splits, re-positioned keys and query entries, the decode kernel
-        with and without re-positioned keys, and the merge kernel at every tile of split
-        counts. Lengths, counts and offsets are run-time values, so these are all the variants
-        a server meets. The dummy inputs read only the padding slot 0 (`pad_row` of the slot
-        table) and write only a scratch output."""
+        with and without KV splits, re-positioned keys, query entries and packed heads, the
+        decode kernel with and without re-positioned keys, and the merge kernel at every tile
+        of split counts. Lengths, counts and offsets are run-time values, so these are all the
+        variants a server meets. The dummy inputs read only the padding slot 0 (`pad_row` of
+        the slot table) and write only a scratch output."""
         device = pool.kv.device
         k_cache, v_cache = pool.k[0], pool.v[0]
         head_dim = k_cache.shape[-1]
@@ -650,14 +693,16 @@ class TritonAttentionBackend:
                          index=i32([0]), max_ranges=1)
         # Split counts are run-time values: one per tile of the merge kernel (BLOCK_S).
         splits_ladder = [1 << i for i in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ... 64
+        packs = (False, True) if num_heads > k_cache.shape[1] else (False,)
         for splits in splits_ladder:
-            variants = (itertools.product((False, True), repeat=2) if splits <= 2
-                        else [(False, False)])
-            for rotate, indexed in variants:
+            variants = (itertools.product((False, True), (False, True), packs) if splits <= 2
+                        else [(False, False, False)])
+            for rotate, indexed, pack in variants:
                 extend_attention(q, k_cache, v_cache, out, i32([0, 0]), i32([0, 2]), i32([0]),
                                  i32([2]), 2, 1.0, splits, i32([0]), i32([0, 1]),
                                  i32([0, 1]) if indexed else None,
-                                 i32([0, -1]) if rotate else None, tables if rotate else None)
+                                 i32([0, -1]) if rotate else None, tables if rotate else None,
+                                 pack=pack)
             for rotate in (False, True):
                 decode_attention(q, k_cache, v_cache, out, table, i32([pad_row]), i32([1]),
                                  i32([0]), splits, 1.0, turns=turns if rotate else None)
