@@ -171,6 +171,7 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
     kv_index = torch.randperm(slots - 1, generator=gen, device=device)[:n_kv].int() + 1
     figures = {}
     for pack in (False, True):
+        name = "packed" if pack else "unpacked"
         splits = ta.extend_splits([n_q], [n_kv], args.heads, args.kv_heads, device, pack)
         step = lambda pack=pack, splits=splits: ta.extend_attention(  # noqa: E731
             q, k_cache, v_cache, out, kv_index, i32([0, n_kv]), i32([0]), i32([n_q]), n_q,
@@ -183,8 +184,8 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
                 step()
         graph.replay()
         times = [timed(graph.replay, args.device) for _ in range(reps * 4)]
-        figures["packed" if pack else "unpacked"] = statistics.median(times)
-        figures[f"splits_{'packed' if pack else 'unpacked'}"] = splits
+        figures[name] = statistics.median(times)
+        figures[f"splits_{name}"] = splits
     figures["floor"] = (args.layers * n_kv * 2 * args.kv_heads * head_dim * dtype.itemsize
                         / floors["bandwidth"])
     return figures

@@ -87,57 +87,86 @@ def batch_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-class DecodeGraphs:
+class _StepGraphs:
+    """What the decode and the extend graphs share: the model and caches their steps run on,
+    the turn tables of re-positioned keys (cos, sin turning a key forward by each distinct
+    delta of the step, at most MAX_TURNS), and the capture of a graph per size of their
+    ladder, plain and turning."""
+
+    what: str  # the ladder's unit, for the capture log
+
     def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
-                 slot_table: SlotTable, max_batch: int, max_model_len: int) -> None:
+                 slot_table: SlotTable, sizes: list[int], max_model_len: int) -> None:
         self.model = model
         self.pool = pool
         self.backend = backend
         self.slot_table = slot_table
-        self.sizes = batch_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
+        self.sizes = sizes
         self.max_model_len = max_model_len
         # Dynamic RoPE derives frequencies from each sequence's length on the host.
         self.dynamic_rope = model.rotary.dynamic
         self.max_positions = model.config.max_position_embeddings
+        head_dim = model.config.head_dim
+        device = pool.kv.device
+        self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
+        self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
+        # (size, turns re-positioned keys) -> (graph, its logits)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+
+    def graph_forward(self, size: int, turning: bool):
+        """The step that the graph (size, turning) captures, as a call without arguments."""
+        raise NotImplementedError
+
+    def _prepare_capture(self, size: int) -> None:
+        """Fills the inputs that the graphs of `size` are captured with."""
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        self.graphs.clear()  # a re-capture (wake_up) drops graphs that address freed memory
+        mempool = torch.cuda.graph_pool_handle()
+        device = self.pool.kv.device
+        # Largest first: smaller graphs reuse its memory from the shared pool.
+        for size in reversed(self.sizes):
+            self._prepare_capture(size)
+            for turning in (False, True):
+                self.graphs[(size, turning)] = capture_graph(
+                    self.graph_forward(size, turning), device, mempool)
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured CUDA graphs for %s: %s in %.2f s", self.what, self.sizes,
+                    self.capture_seconds)
+
+
+class DecodeGraphs(_StepGraphs):
+    what = "decode batch sizes"
+
+    def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
+                 slot_table: SlotTable, max_batch: int, max_model_len: int) -> None:
+        super().__init__(model, pool, backend, slot_table, batch_sizes(max_batch),
+                         max_model_len)
+        self.max_batch = self.sizes[-1]
         device = pool.kv.device
         # Rows: ids, positions, slot-table rows, KV lengths, re-positioned ranges; filled by
         # one copy per step.
         self.inputs = torch.zeros(5, self.max_batch, dtype=torch.long, device=device)
         self.inputs[2].fill_(PAD_ROW)
         self.inputs[3].fill_(1)
-        # Each sequence's ranges (start, end, row of the turn tables), and the tables: cos,
-        # sin turning a key forward by each delta of the step.
+        # Each sequence's ranges (start, end, row of the turn tables).
         self.ranges = torch.zeros(self.max_batch, MAX_RANGES, 3, dtype=torch.int32,
                                   device=device)
-        head_dim = model.config.head_dim
-        self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
-        self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
         self.q_rows = torch.arange(self.max_batch, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(self.max_batch, dtype=torch.long, device=device)
-        # (batch size, turns re-positioned keys) -> (graph, its logits)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Each graph's decode scratch, allocated before its capture: a graph holds no reference
         # to the memory it writes, so a freed scratch would be handed to other tensors and
         # overwritten at every replay.
         self.scratch: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.capture_seconds = 0.0
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        self.graphs.clear()  # a re-capture (wake_up) drops graphs that address freed memory
         self.scratch.clear()
-        mempool = torch.cuda.graph_pool_handle()
-        # Largest first: smaller graphs reuse its memory from the shared pool.
-        for size in reversed(self.sizes):
-            for turning in (False, True):
-                self.graphs[(size, turning)] = capture_graph(
-                    self.graph_forward(size, turning), self.inputs.device, mempool)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.2f s", self.sizes,
-                    self.capture_seconds)
+        super().capture()
 
     def _forward(self, size: int, turning: bool, splits: int,
                  scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -231,23 +260,19 @@ def token_sizes(max_tokens: int) -> list[int]:
     return [1 << i for i in range(3, 10) if 1 << i <= max_tokens]
 
 
-class ExtendGraphs:
+class ExtendGraphs(_StepGraphs):
     """Graphs of an extend step of one sequence of at most 512 new tokens that samples from
     its last one (see the module docstring). Like the decode graphs, each size has a second
     graph whose extend kernel turns re-positioned keys: each KV entry's row of the turn tables
     (-1: none) in a persistent buffer beside the index, the tables' cos/sin rows (one per
     distinct delta, at most MAX_TURNS) in two more."""
 
+    what = "extend token counts"
+
     def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
                  slot_table: SlotTable, max_tokens: int, max_model_len: int) -> None:
-        self.model = model
-        self.pool = pool
-        self.backend = backend
-        self.slot_table = slot_table
-        self.sizes = token_sizes(max_tokens)
-        self.max_model_len = max_model_len
-        self.dynamic_rope = model.rotary.dynamic
-        self.max_positions = model.config.max_position_embeddings
+        super().__init__(model, pool, backend, slot_table, token_sizes(max_tokens),
+                         max_model_len)
         device = pool.kv.device
         self.top = top = self.sizes[-1] if self.sizes else 0
         # ids, positions (padding: token 0 at position 0), then the offset k - n of the new
@@ -259,30 +284,15 @@ class ExtendGraphs:
         self.arange = torch.arange(top, dtype=torch.long, device=device)
         self.rows32 = self.arange.to(torch.int32)  # the merge's output rows: every token
         self.kv_turns = torch.full((max_model_len + top,), -1, dtype=torch.int32, device=device)
-        head_dim = model.config.head_dim
-        self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
-        self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
-        # (token count, turns re-positioned keys) -> (graph, its logits)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.capture_seconds = 0.0
+
+    def _prepare_capture(self, size: int) -> None:
+        # Valid lengths: one real token over one entry, the rest padding.
+        self._fill(torch.zeros(1, dtype=torch.int32, device=self.inputs.device), [0], [0], size)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        self.graphs.clear()
-        mempool = torch.cuda.graph_pool_handle()
-        device = self.inputs.device
-        for size in reversed(self.sizes):
-            # Capture with valid lengths: one real token over one entry, the rest padding.
-            self._fill(torch.zeros(1, dtype=torch.int32, device=device), [0], [0], size)
-            for turning in (False, True):
-                self.graphs[(size, turning)] = capture_graph(
-                    self.graph_forward(size, turning), device, mempool)
+        super().capture()
         self.pool.kv[:, :, 0].zero_()  # the padding slot, written by the dummy steps
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        logger.info("captured CUDA graphs for extend steps of %s tokens in %.2f s", self.sizes,
-                    self.capture_seconds)
 
     def plan(self, size: int) -> int:
         """KV splits of the graph for `size` tokens: for the longest list the engine admits."""
