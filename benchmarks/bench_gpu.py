@@ -7,8 +7,10 @@ bandwidth (a large device-to-device copy, bytes read + written) and bf16 matmul 
 (8192^3). Rows:
 - prefill of a 4,288-token prompt (ragkv TTFT vs one HF forward; MFU against the measured peak);
 - warm RAG TTFT: 128 + 8 x 512 + 64 tokens, every chunk cached (floor: one pass over the
-  weights), and its cold TTFT; the question's attention kernel alone, with the GQA group's
-  heads packed into its tiles and without (floor: one read of the K/V);
+  weights), and its cold TTFT; where its wall time goes (host before the step, the CUDA
+  graph on the device, the wait for the token, the outputs); the question's attention kernel
+  alone, with the GQA group's heads packed into its tiles and without (floor: one read of
+  the K/V);
 - decode ms/step at batch 1 and 32 after warm-up, T(128) - T(1) over 127 steps, and the first
   pass over lengths never seen before against a repeat;
 - a mixed workload, 16 prompts of 300-2,000 tokens x 32 tokens, twice with fresh lengths
@@ -149,6 +151,78 @@ def profile_request(run, out_dir: str, label: str) -> None:
         f.write(text.getvalue())
     print(f"[profile {label}] device time {device_us / 1e3:.2f} ms over {launches} kernels",
           flush=True)
+
+
+def ttft_breakdown(llm, run, reps: int) -> dict:
+    """Where the wall time of one request's first token goes, medians over `reps` calls of
+    `run` (seconds): host work before the model's step (adding the request, scheduling),
+    host work of the step up to the graph's launch (slot table, graph inputs), the graph's
+    launch call, the graph on the device (CUDA events around it), the wait for the sampled
+    token, and what follows (outputs). Without a graph (eager steps, or a CPU) the step is
+    one figure, `execute`."""
+    from ragkv.engine import engine as engine_module
+
+    engine, runner = llm.engine, llm.engine.runner
+    cuda = torch.cuda.is_available() and runner.device.type == "cuda"
+    marks: dict[str, float] = {}
+    events: dict[str, torch.cuda.Event] = {}
+
+    def mark(name: str) -> None:
+        marks.setdefault(name, time.perf_counter())
+        if cuda and name not in events:
+            events[name] = torch.cuda.Event(enable_timing=True)
+            events[name].record()
+
+    def wrap(fn, before: str, after: str):
+        def wrapped(*a, **k):
+            mark(before)
+            out = fn(*a, **k)
+            mark(after)
+            return out
+        return wrapped
+
+    replay = torch.cuda.CUDAGraph.replay
+    saved = (engine.scheduler.schedule, runner.execute, engine_module.sample)
+    engine.scheduler.schedule = wrap(saved[0], "schedule", "scheduled")
+    runner.execute = wrap(saved[1], "execute", "executed")
+    engine_module.sample = wrap(saved[2], "sample", "sampled")  # returns after its sync
+    torch.cuda.CUDAGraph.replay = wrap(replay, "replay", "replayed")
+    parts: dict[str, list[float]] = {}
+    try:
+        for _ in range(reps):
+            marks.clear()
+            events.clear()
+            start = time.perf_counter()
+            run()
+            end = time.perf_counter()
+            m = marks
+            got = {"wall": end - start, "before_step": m["execute"] - start,
+                   "schedule": m["scheduled"] - m["schedule"], "after_token": end - m["sampled"]}
+            if "replay" in m:
+                got.update(execute_host=m["replay"] - m["execute"],
+                           replay_call=m["replayed"] - m["replay"],
+                           wait_for_token=m["sampled"] - m["replayed"])
+                if cuda:
+                    torch.cuda.synchronize()
+                    got["graph_device"] = events["replay"].elapsed_time(events["replayed"]) / 1e3
+                    # The device idles from the step's start until the graph: host work.
+                    got["device_before_graph"] = (events["execute"].elapsed_time(
+                        events["replay"]) / 1e3)
+            else:
+                got.update(execute=m["executed"] - m["execute"],
+                           wait_for_token=m["sampled"] - m["executed"])
+            for name, value in got.items():
+                parts.setdefault(name, []).append(value)
+    finally:
+        engine.scheduler.schedule, runner.execute, engine_module.sample = saved
+        torch.cuda.CUDAGraph.replay = replay
+    return {name: statistics.median(values) for name, values in parts.items()}
+
+
+def format_breakdown(parts: dict) -> str:
+    order = ("wall", "before_step", "schedule", "execute_host", "replay_call", "execute",
+             "graph_device", "device_before_graph", "wait_for_token", "after_token")
+    return ", ".join(f"{name} {parts[name] * 1e3:.2f}" for name in order if name in parts) + " ms"
 
 
 def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: int,
@@ -353,6 +427,11 @@ def main() -> None:
             rng.shuffle(order)
             generate([RAGPrompt(system, order, ids(64, rng), **layout)], 1)
 
+        # Where the warm request's wall time goes (host before the step, the graph on the
+        # device, the wait for the token, the outputs).
+        breakdown = ttft_breakdown(llm, one_rag, reps * 2)
+        fig["rag_ttft_breakdown"] = breakdown
+        say(f"RAG TTFT breakdown (warm, median of {reps * 2}): {format_breakdown(breakdown)}")
         if args.profile:
             profile_request(one_rag, args.profile, "rag_warm")
             profile_request(lambda: one_rag(position_strategy="sequential", recompute="blend",

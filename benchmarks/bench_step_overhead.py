@@ -5,8 +5,12 @@ The model is replaced by a stub that returns zero logits, so what is timed is ev
 engine does around it, which must not grow with a request's context or output length:
 - context: B requests decoding at context C (C = 1k ... 32k), per-step ms;
 - output: B streaming requests (include_unfinished=True, as the server runs), per-step ms over
-  their first and last steps as their outputs grow to N tokens.
-Each scenario prints the ratio largest/smallest: ~1 means the per-step cost is flat.
+  their first and last steps as their outputs grow to N tokens;
+- warm RAG: one request of a 128-token system prompt, 8 cached 512-token chunks in a new
+  order and a new 64-token question, one output token, through `LLM.generate` (ms per request:
+  everything the host does before and after the model's one step, which on a GPU the device
+  waits for; the backend's metadata is left out too, since a CUDA graph replaces it there).
+The first two print the ratio largest/smallest: ~1 means the per-step cost is flat.
 
     python benchmarks/bench_step_overhead.py
 """
@@ -43,7 +47,7 @@ def tiny_checkpoint(path: str, max_positions: int) -> str:
 def stub_model(llm: LLM) -> None:
     vocab = llm.engine.model_config.vocab_size
 
-    def forward(input_ids, positions, logits_rows, *args):
+    def forward(input_ids, positions, logits_rows, *args, **kwargs):
         return torch.zeros(len(logits_rows), vocab)
 
     llm.engine.runner.model = forward
@@ -98,6 +102,31 @@ def output_scenario(path: str, batch: int, tokens: int, window: int) -> tuple[fl
     return first, last
 
 
+def rag_scenario(path: str, requests: int) -> float:
+    from ragkv import RAGPrompt
+
+    llm = LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192)
+    stub_model(llm)
+    llm.engine.runner.backend.prepare = lambda meta: None
+    gen = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(10, 4096, (n,), generator=gen).tolist()
+
+    system, docs = ids(128), [ids(512) for _ in range(8)]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for _ in range(requests + 20):  # the first 20 compute and cache the chunks, then warm up
+        order = [docs[j] for j in torch.randperm(8, generator=gen).tolist()]
+        prompt = RAGPrompt(system, order, ids(64))
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    per_request = 1000 * statistics.median(times[20:])
+    print(f"  warm RAG request, 128 + 8 x 512 + 64 tokens: {per_request:8.3f} ms per request")
+    return per_request
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -105,6 +134,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--stream-batch", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=4096)
+    parser.add_argument("--rag-requests", type=int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -115,6 +145,8 @@ def main() -> None:
         ctx = context_scenario(path, args.batch, contexts, args.steps)
         print("streaming step against output length (model stubbed out):")
         first, last = output_scenario(path, args.stream_batch, args.output_tokens, 50)
+        print("warm RAG request, host work only (model and attention metadata stubbed out):")
+        rag_scenario(path, args.rag_requests)
     print(f"ratio context {contexts[-1]} / {contexts[0]}: {ctx[-1] / ctx[0]:.2f}")
     print(f"ratio output at {args.output_tokens} / at start: {last / first:.2f}")
 

@@ -147,6 +147,8 @@ def test_token_id_lists_are_used_as_given(tok):
     RAGPrompt([5], [[7]], [-1]),
     {"prompt_token_ids": [1, 2, VOCAB]},
     {"prompt_token_ids": [-3]},
+    {"prompt_token_ids": [5, 2**64]},  # beyond int64, where the fast check packs the ids
+    RAGPrompt([5], [[7], [-2**70]], [8]),
 ])
 def test_out_of_vocabulary_id_is_an_error(tok, prompt):
     with pytest.raises(ValueError, match="vocabulary"):

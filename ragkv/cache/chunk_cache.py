@@ -30,10 +30,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..host_ints import int64_bytes
 from .chunk_format import ChunkMeta, ChunkRecord
 from .chunk_store import TieredChunkStore, TierStats
 from .kv_pool import KVPool, SlotAllocator
@@ -132,8 +132,7 @@ class ChunkCache:
 
     def key(self, namespace: str, system: tuple[int, ...], tokens: tuple[int, ...]) -> bytes:
         h = self._hasher()
-        for part in (namespace.encode(), array("q", system).tobytes(),
-                     array("q", tokens).tobytes()):
+        for part in (namespace.encode(), int64_bytes(system), int64_bytes(tokens)):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
         return h.digest()

@@ -23,10 +23,11 @@ import json
 import struct
 import warnings
 import zlib
-from array import array
 from dataclasses import dataclass, field
 
 import torch
+
+from ..host_ints import int64_bytes
 
 FORMAT_VERSION = 1
 MAGIC = b"RAGKVKV\0"
@@ -43,7 +44,7 @@ class CorruptChunkError(ValueError):
 
 
 def token_hash(tokens: tuple[int, ...]) -> str:
-    return hashlib.sha256(array("q", tokens).tobytes()).hexdigest()
+    return hashlib.sha256(int64_bytes(tokens)).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,14 +11,17 @@ they are and only their contents change.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable
 
 import torch
 
+from ..host_ints import int64_tensor
 from .kv_manager import SeqKV
 
 PAD_ROW = 0
+# New entries of one sequence from which a step copies them as a slice of its row rather than
+# scattering them one by one: a new request's list, not a decode step's one token.
+LONG_RUN = 32
 
 
 class SlotTable:
@@ -35,10 +38,14 @@ class SlotTable:
 
     def sync(self, seqs: Iterable[SeqKV]) -> None:
         """Give each sequence a row if it has none and copy its new entries to the device."""
-        # One flat list: positions in the flattened table, then the slots to put there
-        # (list.extend over a range or a slice runs in C; a nested list would not).
-        where: list[int] = []
+        # A long run of new entries (a new request's whole list) is copied into its row's
+        # slice; short ones (a decode step's one entry per sequence) are scattered through
+        # flat positions in the table. One transfer carries both: the runs' values, then the
+        # short entries' values, then their flat positions.
+        runs: list[tuple[int, int, int]] = []  # (row, start, end)
         vals: list[int] = []
+        short_vals: list[int] = []
+        where: list[int] = []
         width = self.width
         for seq in seqs:
             n = len(seq.slots)
@@ -51,17 +58,28 @@ class SlotTable:
                 seq.row = self._free.pop()
                 seq.num_mirrored = 0
             start = seq.num_mirrored
-            if start < n:
+            if start >= n:
+                continue
+            if n - start >= LONG_RUN:
+                runs.append((seq.row, start, n))
+                vals.extend(seq.slots[start:n])
+            else:
+                # list.extend over a range or a slice runs in C; a nested list would not.
                 base = seq.row * width
                 where.extend(range(base + start, base + n))
-                vals.extend(seq.slots[start:n])
-                seq.num_mirrored = n
-        if vals:
-            where.extend(vals)
-            # array('q') converts a list of ints several times faster than torch.tensor.
-            update = torch.frombuffer(array("q", where), dtype=torch.int64).to(self.device)
-            count = len(vals)
-            self.table.view(-1)[update[:count]] = update[count:].to(torch.int32)
+                short_vals.extend(seq.slots[start:n])
+            seq.num_mirrored = n
+        if not vals and not short_vals:
+            return
+        count, short = len(vals), len(short_vals)
+        update = int64_tensor(vals + short_vals + where).to(self.device)
+        at = 0
+        for row, start, end in runs:
+            self.table[row, start:end] = update[at:at + end - start]
+            at += end - start
+        if short:
+            self.table.view(-1)[update[count + short:]] = update[count:count + short].to(
+                torch.int32)
 
     def release(self, seq: SeqKV) -> None:
         if seq.row != PAD_ROW:

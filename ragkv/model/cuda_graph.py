@@ -39,6 +39,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..cache.slot_table import PAD_ROW, SlotTable
+from ..host_ints import int64_tensor
 from .attention import AttentionMetadata
 from .llama import CausalLM
 from .triton_attention import (
@@ -221,14 +222,13 @@ class DecodeGraphs(_StepGraphs):
         n = len(works)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         pad = size - n
-        host = torch.tensor([
-            [w.token_ids[0] for w in works] + [0] * pad,
-            [w.positions[0] for w in works] + [0] * pad,
-            [w.request.kv.row for w in works] + [PAD_ROW] * pad,
-            [w.kv_spans[0][1] for w in works] + [1] * pad,
-            [len(w.kv_rotations) for w in works] + [0] * pad,
-        ], dtype=torch.long)
-        self.inputs[:, :size].copy_(host, non_blocking=True)
+        host = int64_tensor(
+            [w.token_ids[0] for w in works] + [0] * pad
+            + [w.positions[0] for w in works] + [0] * pad
+            + [w.request.kv.row for w in works] + [PAD_ROW] * pad
+            + [w.kv_spans[0][1] for w in works] + [1] * pad
+            + [len(w.kv_rotations) for w in works] + [0] * pad)
+        self.inputs[:, :size].copy_(host.view(5, size), non_blocking=True)
         turning = any(w.kv_rotations for w in works)
         if turning:
             self._fill_turns(works)
@@ -341,11 +341,9 @@ class ExtendGraphs(_StepGraphs):
         k, n = index.numel(), len(token_ids)
         top = self.top
         pad = size - n
-        host = torch.zeros(2 * top + 2, dtype=torch.long)
-        host[:n] = torch.tensor(token_ids)
-        host[top:top + n] = torch.tensor(positions)
-        host[2 * top], host[2 * top + 1] = k - n, n - 1
-        self.inputs.copy_(host, non_blocking=True)
+        zeros = [0] * (top - n)
+        self.inputs.copy_(int64_tensor(token_ids + zeros + positions + zeros + [k - n, n - 1]),
+                          non_blocking=True)
         self.counts.copy_(torch.tensor([0, k, k + pad, 0, n, n, pad], dtype=torch.int32),
                           non_blocking=True)
         self.kv_index[:k].copy_(index)

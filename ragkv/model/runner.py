@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -10,6 +9,7 @@ import torch
 
 from ..cache.kv_pool import KVPool
 from ..cache.slot_table import PAD_ROW, SlotTable
+from ..host_ints import int64_tensor
 from ..sampling import uniform_noise
 from .attention import AttentionBackend, AttentionMetadata
 from .llama import CausalLM
@@ -124,13 +124,10 @@ class ModelRunner:
             meta.rotation_cos, meta.rotation_sin = self.model.rotary.rotation(
                 [-d for d in deltas])
         self.backend.prepare(meta)
-        # One transfer for ids, positions and logits rows; array('q') converts a long list of
-        # ints several times faster than torch.tensor does.
+        # One transfer for ids, positions and logits rows.
         n = len(input_ids)
         extra = key_positions or []
-        host = torch.frombuffer(array("q", input_ids + positions + extra + logits_rows),
-                                dtype=torch.long)
-        dev_ids = host.to(dev)
+        dev_ids = int64_tensor(input_ids + positions + extra + logits_rows).to(dev)
         keys = dev_ids[2 * n:3 * n] if extra else None
         return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
                           self.pool, meta, self.backend, key_positions=keys)

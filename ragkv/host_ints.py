@@ -1,0 +1,26 @@
+"""Lists of Python ints as int64 bytes and host tensors, at C speed.
+
+Every step hands the device a few thousand ints built on the host (token ids, positions, a new
+request's KV slots) and every chunk lookup hashes a chunk's tokens. `struct.pack` converts a
+list of ints about 3x faster than `array('q')` and over 10x faster than `torch.tensor`, and
+gives the same bytes as `array('q').tobytes()` (native order, 8 bytes each), so hashes of
+them are unchanged.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+
+def int64_bytes(values: Sequence[int]) -> bytes:
+    return struct.pack(f"{len(values)}q", *values)
+
+
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor of `values` (its own memory), ready for one transfer."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(bytearray(int64_bytes(values)), dtype=torch.int64)
