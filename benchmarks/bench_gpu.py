@@ -181,14 +181,17 @@ def ttft_breakdown(llm, run, reps: int) -> dict:
             return out
         return wrapped
 
-    replay = torch.cuda.CUDAGraph.replay
-    saved = (engine.scheduler.schedule, runner.execute, engine_module.sample)
-    engine.scheduler.schedule = wrap(saved[0], "schedule", "scheduled")
-    runner.execute = wrap(saved[1], "execute", "executed")
-    engine_module.sample = wrap(saved[2], "sample", "sampled")  # returns after its sync
-    torch.cuda.CUDAGraph.replay = wrap(replay, "replay", "replayed")
+    # (owner, attribute, marks): sample returns after its device-to-host sync.
+    hooks = ((engine.scheduler, "schedule", ("schedule", "scheduled")),
+             (runner, "execute", ("execute", "executed")),
+             (engine_module, "sample", ("sample", "sampled")),
+             (torch.cuda.CUDAGraph, "replay", ("replay", "replayed")))
+    # What each owner held itself (an instance usually holds none: its class's method).
+    own = [(owner, name, vars(owner).get(name)) for owner, name, _ in hooks]
     parts: dict[str, list[float]] = {}
     try:
+        for owner, name, (before, after) in hooks:
+            setattr(owner, name, wrap(getattr(owner, name), before, after))
         for _ in range(reps):
             marks.clear()
             events.clear()
@@ -205,7 +208,7 @@ def ttft_breakdown(llm, run, reps: int) -> dict:
                 if cuda:
                     torch.cuda.synchronize()
                     got["graph_device"] = events["replay"].elapsed_time(events["replayed"]) / 1e3
-                    # The device idles from the step's start until the graph: host work.
+                    # From the step's start to the graph: its host work and small copies.
                     got["device_before_graph"] = (events["execute"].elapsed_time(
                         events["replay"]) / 1e3)
             else:
@@ -214,8 +217,11 @@ def ttft_breakdown(llm, run, reps: int) -> dict:
             for name, value in got.items():
                 parts.setdefault(name, []).append(value)
     finally:
-        engine.scheduler.schedule, runner.execute, engine_module.sample = saved
-        torch.cuda.CUDAGraph.replay = replay
+        for owner, name, held in own:
+            if held is not None:
+                setattr(owner, name, held)
+            elif name in vars(owner):  # ours: the inherited one shows again
+                delattr(owner, name)
     return {name: statistics.median(values) for name, values in parts.items()}
 
 

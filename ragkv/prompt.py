@@ -228,8 +228,10 @@ def _in_vocab(ids: list[int], vocab_size: int) -> bool:
         return True
     try:
         low, high = int64_tensor(ids).aminmax()
-    except (struct.error, OverflowError):  # beyond int64: outside the vocabulary too
-        return False
+    except (struct.error, OverflowError):
+        # Not all int64 (an id beyond it, or a caller's ChunkedPrompt holding other numbers,
+        # NaN included): compared one by one.
+        return all(0 <= t < vocab_size for t in ids)
     return int(low) >= 0 and int(high) < vocab_size
 
 

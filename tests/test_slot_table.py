@@ -13,7 +13,7 @@ import torch
 from ragkv.cache.chunk_cache import ChunkCache
 from ragkv.cache.chunk_format import token_hash
 from ragkv.cache.kv_manager import SeqKV
-from ragkv.cache.slot_table import LONG_RUN, PAD_ROW, SlotTable
+from ragkv.cache.slot_table import LONG_RUN, MAX_ROW_COPIES, PAD_ROW, SlotTable
 from ragkv.host_ints import int64_bytes, int64_tensor
 
 
@@ -41,14 +41,15 @@ def test_chunk_keys_are_those_of_array_q():
 
 def test_sync_mirrors_long_and_short_runs_and_rewrites():
     """Random appends (one entry, as decode does, and whole lists, as a new request does) and
-    in-place rewrites, several sequences per step: after every sync each row equals its
-    sequence's list, and rows of released sequences are handed out again."""
+    in-place rewrites, up to 8 sequences per step (so that some steps have more long runs than
+    are copied as row slices): after every sync each row equals its sequence's list, and rows
+    of released sequences are handed out again."""
     rng = random.Random(0)
     width = 3 * LONG_RUN + 10
-    table = SlotTable(num_rows=4, width=width, device=torch.device("cpu"))
-    seqs = [SeqKV() for _ in range(4)]
-    for step in range(300):
-        batch = rng.sample(seqs, rng.randint(1, 4))
+    table = SlotTable(num_rows=8, width=width, device=torch.device("cpu"))
+    seqs = [SeqKV() for _ in range(8)]
+    for step in range(400):
+        batch = rng.sample(seqs, rng.randint(1, 8))
         for seq in batch:
             room = width - len(seq.slots)
             action = rng.random()
@@ -71,6 +72,23 @@ def test_sync_mirrors_long_and_short_runs_and_rewrites():
                 assert row == seq.slots, step
         table.check_integrity(s for s in seqs if s.row != PAD_ROW)
     assert table.table[PAD_ROW].eq(0).all()
+
+
+@pytest.mark.parametrize("new", [1, MAX_ROW_COPIES, MAX_ROW_COPIES + 1, 12])
+def test_sync_of_many_new_lists_at_once(new):
+    """A step admitting `new` requests (long lists: row slices up to MAX_ROW_COPIES of them,
+    scattered beyond) beside decoding ones (one entry each)."""
+    table = SlotTable(num_rows=16, width=300, device=torch.device("cpu"))
+    old = [SeqKV(slots=list(range(100 * i + 1, 100 * i + 51))) for i in range(3)]
+    table.sync(old)
+    for i, seq in enumerate(old):
+        seq.slots.append(5000 + i)
+    fresh = [SeqKV(slots=list(range(10_000 * (i + 1), 10_000 * (i + 1) + 40 + 7 * i)))
+             for i in range(new)]
+    table.sync(fresh + old)
+    for seq in fresh + old:
+        assert table.table[seq.row, :len(seq.slots)].tolist() == seq.slots
+    table.check_integrity(fresh + old)
 
 
 def test_sync_refuses_a_list_longer_than_the_table():

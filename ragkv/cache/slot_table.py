@@ -20,8 +20,10 @@ from .kv_manager import SeqKV
 
 PAD_ROW = 0
 # New entries of one sequence from which a step copies them as a slice of its row rather than
-# scattering them one by one: a new request's list, not a decode step's one token.
+# scattering them one by one (a new request's list, not a decode step's one token), for at
+# most MAX_ROW_COPIES sequences per step.
 LONG_RUN = 32
+MAX_ROW_COPIES = 4
 
 
 class SlotTable:
@@ -38,15 +40,7 @@ class SlotTable:
 
     def sync(self, seqs: Iterable[SeqKV]) -> None:
         """Give each sequence a row if it has none and copy its new entries to the device."""
-        # A long run of new entries (a new request's whole list) is copied into its row's
-        # slice; short ones (a decode step's one entry per sequence) are scattered through
-        # flat positions in the table. One transfer carries both: the runs' values, then the
-        # short entries' values, then their flat positions.
-        runs: list[tuple[int, int, int]] = []  # (row, start, end)
-        vals: list[int] = []
-        short_vals: list[int] = []
-        where: list[int] = []
-        width = self.width
+        updates: list[tuple[SeqKV, int, int]] = []  # (sequence, first new entry, end)
         for seq in seqs:
             n = len(seq.slots)
             if n > self.width:
@@ -57,29 +51,38 @@ class SlotTable:
                     raise RuntimeError(f"slot table: all {self.num_rows} rows are in use")
                 seq.row = self._free.pop()
                 seq.num_mirrored = 0
-            start = seq.num_mirrored
-            if start >= n:
-                continue
-            if n - start >= LONG_RUN:
-                runs.append((seq.row, start, n))
-                vals.extend(seq.slots[start:n])
-            else:
+            if seq.num_mirrored < n:
+                updates.append((seq, seq.num_mirrored, n))
+                seq.num_mirrored = n
+        if not updates:
+            return
+        # A few long runs (new requests' lists) are copied into their rows' slices: one copy
+        # each. Everything else (a decode step's one entry per sequence, or many new requests
+        # at once, where a copy per run would cost more launches than it saves) is scattered
+        # through flat positions in the table. One transfer carries the runs' values, then the
+        # scattered values, then their positions.
+        runs = [u for u in updates if u[2] - u[1] >= LONG_RUN]
+        if len(runs) > MAX_ROW_COPIES:
+            runs = []
+        vals: list[int] = []
+        for seq, start, end in runs:
+            vals.extend(seq.slots[start:end])
+        count = len(vals)
+        where: list[int] = []
+        width = self.width
+        for seq, start, end in updates:
+            if end - start < LONG_RUN or not runs:
                 # list.extend over a range or a slice runs in C; a nested list would not.
                 base = seq.row * width
-                where.extend(range(base + start, base + n))
-                short_vals.extend(seq.slots[start:n])
-            seq.num_mirrored = n
-        if not vals and not short_vals:
-            return
-        count, short = len(vals), len(short_vals)
-        update = int64_tensor(vals + short_vals + where).to(self.device)
+                where.extend(range(base + start, base + end))
+                vals.extend(seq.slots[start:end])
+        update = int64_tensor(vals + where).to(self.device)
         at = 0
-        for row, start, end in runs:
-            self.table[row, start:end] = update[at:at + end - start]
+        for seq, start, end in runs:
+            self.table[seq.row, start:end] = update[at:at + end - start]
             at += end - start
-        if short:
-            self.table.view(-1)[update[count + short:]] = update[count:count + short].to(
-                torch.int32)
+        if where:
+            self.table.view(-1)[update[len(vals):]] = update[count:len(vals)].to(torch.int32)
 
     def release(self, seq: SeqKV) -> None:
         if seq.row != PAD_ROW:
