@@ -62,20 +62,20 @@ class SlotTable:
         # through flat positions in the table. One transfer carries the runs' values, then the
         # scattered values, then their positions.
         runs = [u for u in updates if u[2] - u[1] >= LONG_RUN]
+        scattered = [u for u in updates if u[2] - u[1] < LONG_RUN]
         if len(runs) > MAX_ROW_COPIES:
-            runs = []
+            runs, scattered = [], updates
         vals: list[int] = []
         for seq, start, end in runs:
             vals.extend(seq.slots[start:end])
         count = len(vals)
         where: list[int] = []
         width = self.width
-        for seq, start, end in updates:
-            if end - start < LONG_RUN or not runs:
-                # list.extend over a range or a slice runs in C; a nested list would not.
-                base = seq.row * width
-                where.extend(range(base + start, base + end))
-                vals.extend(seq.slots[start:end])
+        for seq, start, end in scattered:
+            # list.extend over a range or a slice runs in C; a nested list would not.
+            base = seq.row * width
+            where.extend(range(base + start, base + end))
+            vals.extend(seq.slots[start:end])
         update = int64_tensor(vals + where).to(self.device)
         at = 0
         for seq, start, end in runs:
