@@ -249,13 +249,13 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
     out = torch.empty_like(q)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
     kv_index = torch.randperm(slots - 1, generator=gen, device=device)[:n_kv].int() + 1
-    figures = {}
-    for pack in (False, True):
-        name = "packed" if pack else "unpacked"
-        splits = ta.extend_splits([n_q], [n_kv], args.heads, args.kv_heads, device, pack)
-        step = lambda pack=pack, splits=splits: ta.extend_attention(  # noqa: E731
-            q, k_cache, v_cache, out, kv_index, i32([0, n_kv]), i32([0]), i32([n_q]), n_q,
-            head_dim ** -0.5, splits, i32([0]), i32(list(range(n_q))), pack=pack)
+    # Made before any capture: a copy from the host cannot be captured.
+    kv_indptr, zero, q_lens, rows = i32([0, n_kv]), i32([0]), i32([n_q]), i32(list(range(n_q)))
+
+    def graphed(pack: bool, splits: int) -> float:
+        step = lambda: ta.extend_attention(  # noqa: E731
+            q, k_cache, v_cache, out, kv_index, kv_indptr, zero, q_lens, n_q,
+            head_dim ** -0.5, splits, zero, rows, pack=pack)
         step()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -263,9 +263,19 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
             for _ in range(args.layers):
                 step()
         graph.replay()
-        times = [timed(graph.replay, args.device) for _ in range(reps * 4)]
-        figures[name] = statistics.median(times)
+        return statistics.median(timed(graph.replay, args.device) for _ in range(reps * 4))
+
+    figures = {}
+    for pack in (False, True):
+        name = "packed" if pack else "unpacked"
+        splits = ta.extend_splits([n_q], [n_kv], args.heads, args.kv_heads, device, pack)
+        figures[name] = graphed(pack, splits)
         figures[f"splits_{name}"] = splits
+    # The packed launch at other split counts: whether extend_splits' choice (about two waves
+    # of programs) is the fastest, the merge included.
+    figures["packed_by_splits"] = {
+        s: graphed(True, s) for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+        if s <= ta.MAX_SPLITS and s * 128 <= n_kv}
     figures["floor"] = (args.layers * n_kv * 2 * args.kv_heads * head_dim * dtype.itemsize
                         / floors["bandwidth"])
     return figures
@@ -427,6 +437,11 @@ def main() -> None:
             say(f"question attention: packed {kernel['packed'] * 1e3:.2f} ms, unpacked "
                 f"{kernel['unpacked'] * 1e3:.2f} ms, K/V read floor "
                 f"{kernel['floor'] * 1e3:.2f} ms")
+            by_splits = kernel["packed_by_splits"]
+            best = min(by_splits, key=by_splits.get)
+            say("question attention, packed, by KV splits: "
+                + ", ".join(f"{s}: {t * 1e3:.2f}" for s, t in by_splits.items())
+                + f" ms (fastest {best}; extend_splits chose {kernel['splits_packed']})")
 
         def one_rag(**layout) -> None:
             order = docs[:]
@@ -458,6 +473,33 @@ def main() -> None:
             rows.append((f"warm RAG TTFT, {name}", t, None, floor,
                          f"{t / warm:.2f}x the shared layout"))
             say(f"RAG TTFT {name}: {t * 1e3:.1f} ms ({t / warm:.2f}x shared)")
+
+        # The same request sent as text, as a server's clients send it: the system part and
+        # the documents are tokenized on every request unless the tokenizer cache (on by
+        # default) holds them. Off is measured on the same engine with its cache set aside.
+        tok = llm.get_tokenizer()
+        system_text, doc_texts = tok.decode(system), [tok.decode(d) for d in docs]
+
+        def text_ttft() -> float:
+            times = []
+            for _ in range(reps + 1):
+                order = doc_texts[:]
+                rng.shuffle(order)
+                question = tok.decode(ids(64, rng))
+                times.append(generate([RAGPrompt(system_text, order, question)], 1))
+            return statistics.median(times[1:])
+
+        text_cached = text_ttft()
+        held, llm.engine.token_cache = llm.engine.token_cache, None
+        try:
+            text_uncached = text_ttft()
+        finally:
+            llm.engine.token_cache = held
+        fig["rag_ttft_text"] = {"tokenizer_cache": text_cached, "no_cache": text_uncached}
+        rows.append(("warm RAG TTFT, sent as text (tokenizer cache on)", text_cached, None,
+                     floor, f"cache off {text_uncached * 1e3:.1f} ms"))
+        say(f"RAG TTFT as text: tokenizer cache on {text_cached * 1e3:.1f} ms, off "
+            f"{text_uncached * 1e3:.1f} ms")
 
     if "decode" in want:
         # Decode.
@@ -561,7 +603,9 @@ def main() -> None:
         say(f"Triton kernel variants compiled after start-up: "
             f"{variants_at_end - variants_at_start} (of {variants_at_end})")
 
-    llm = hf = None  # free the GPU for the RAG benchmark's engines
+    # Free the GPU for the RAG benchmark's engines: the graphs hold the model and the pool,
+    # `embed` HF's embedding.
+    llm = hf = graphs = extend_graphs = embed = None
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()

@@ -10,6 +10,9 @@ engine does around it, which must not grow with a request's context or output le
   order and a new 64-token question, one output token, through `LLM.generate` (ms per request:
   everything the host does before and after the model's one step, which on a GPU the device
   waits for; the backend's metadata is left out too, since a CUDA graph replaces it there).
+- warm RAG as text: the same request shape sent as text (`system ## doc ## ... ## question`,
+  the built-in tokenizer, or --text-model's), side by side with the tokenizer cache on (the
+  default) and off: the documents' tokenization is host work of every request unless cached.
 The first two print the ratio largest/smallest: ~1 means the per-step cost is flat.
 
     python benchmarks/bench_step_overhead.py
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -127,6 +131,45 @@ def rag_scenario(path: str, requests: int) -> float:
     return per_request
 
 
+def rag_text_scenario(path: str, requests: int) -> tuple[float, float]:
+    """ms per warm text request with the tokenizer cache on and off, alternating requests
+    between the two engines so that both see the same machine."""
+    from ragkv.demo_corpus import DOCUMENTS
+
+    engines = {mb: LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192,
+                       tokenizer_cache_mb=mb) for mb in (64, 0)}
+    tok = engines[64].get_tokenizer()
+    words = " ".join(DOCUMENTS).split()
+    rng = random.Random(0)
+
+    def text(tokens: int) -> str:
+        """Corpus words from a random place, cut to `tokens` tokens."""
+        start = rng.randrange(len(words))
+        piece = " ".join((words * (2 + tokens // len(words)))[start:start + tokens])
+        return " " + tok.decode(tok.encode(piece, add_special_tokens=False)[:tokens]).strip()
+
+    system, docs = text(128), [text(512) for _ in range(8)]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times: dict[int, list[float]] = {64: [], 0: []}
+    for llm in engines.values():
+        stub_model(llm)
+        llm.engine.runner.backend.prepare = lambda meta: None
+    for i in range(requests + 20):  # the first 20 cache the chunks, then warm up
+        order = docs[:]
+        rng.shuffle(order)
+        prompt = "##".join([system, *order, text(64)])
+        for mb, llm in engines.items():
+            start = time.perf_counter()
+            llm.generate(prompt, params, use_tqdm=False)
+            if i >= 20:
+                times[mb].append(time.perf_counter() - start)
+    on, off = (1000 * statistics.median(times[mb]) for mb in (64, 0))
+    print(f"  warm RAG request as text, tokenizer cache off: {off:8.3f} ms per request")
+    print(f"  warm RAG request as text, tokenizer cache on:  {on:8.3f} ms per request "
+          f"({off / on:.1f}x less host work)")
+    return on, off
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -135,6 +178,9 @@ def main() -> None:
     parser.add_argument("--stream-batch", type=int, default=16)
     parser.add_argument("--output-tokens", type=int, default=4096)
     parser.add_argument("--rag-requests", type=int, default=200)
+    parser.add_argument("--text-model", default=None,
+                        help="the model whose tokenizer the text scenario uses (e.g. "
+                             "smollm2-135m-instruct; default: the tiny model's built-in one)")
     args = parser.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -147,6 +193,8 @@ def main() -> None:
         first, last = output_scenario(path, args.stream_batch, args.output_tokens, 50)
         print("warm RAG request, host work only (model and attention metadata stubbed out):")
         rag_scenario(path, args.rag_requests)
+        print("warm RAG request sent as text (model and attention metadata stubbed out):")
+        rag_text_scenario(args.text_model or path, args.rag_requests // 2)
     print(f"ratio context {contexts[-1]} / {contexts[0]}: {ctx[-1] / ctx[0]:.2f}")
     print(f"ratio output at {args.output_tokens} / at start: {last / first:.2f}")
 

@@ -51,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--max-chunk-tokens", type=int, default=4096)
     parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error")
     parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256")
+    parser.add_argument("--tokenizer-cache-mb", type=int, default=64,
+                        help="token ids of system prompts and documents sent as text, kept by "
+                             "their text so each is tokenized once (MiB; 0: off)")
     parser.add_argument("--chunk-store", default=None,
                         help="tiers behind the chunk cache, in order, comma-separated: "
                              "host:SIZE, disk:PATH:SIZE, redis://HOST:PORT/DB (e.g. "

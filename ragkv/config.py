@@ -66,6 +66,9 @@ class EngineConfig:
     max_chunk_tokens: int = 4096
     oversize_chunk: str = "error"
     chunk_hash_algo: str = "sha256"
+    # Token ids of system parts and documents sent as text, kept by their text (MiB; 0: off):
+    # a document is tokenized once, not on every request that retrieves it.
+    tokenizer_cache_mb: int = 64
     # Tiers behind the chunk region, in order (cache/chunk_store.py), comma-separated:
     # "host:8GiB,disk:/var/cache/ragkv:50GiB,redis://127.0.0.1:6379/0"; None: pool only.
     chunk_store: str | None = None
@@ -95,6 +98,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cache_mb = self.tokenizer_cache_mb
+        if not isinstance(cache_mb, int) or isinstance(cache_mb, bool) or cache_mb < 0:
+            raise ValueError(f"tokenizer_cache_mb must be an integer >= 0 (0: off), got "
+                             f"{self.tokenizer_cache_mb!r}")
         for name in ("kv_cache_tokens", "kv_cache_memory_bytes", "max_model_len",
                      "chunk_cache_tokens"):
             value = getattr(self, name)

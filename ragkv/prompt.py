@@ -9,6 +9,8 @@ Accepted inputs:
 - a dict: `{"prompt_token_ids": [...]}` (used as given) or `{"prompt": "..."}`, either with an
   optional `"cache_salt"` and RAG options (`RAG_OPTIONS`).
 Separators never reach the model. Empty chunks are dropped; no chunks is an ordinary prompt.
+The parts that recur across requests (system parts and chunks given as text, a chat's rendered
+head and documents) are tokenized through the engine's `TokenCache` when it has one.
 A prompt's RAG options (None: the engine's default) choose its layout, `position_strategy` and
 `chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio` and
 `recompute_sink_tokens` (DESIGN §1; see `config.py`).
@@ -22,6 +24,7 @@ from itertools import chain
 
 from .config import check_layout, check_recompute
 from .host_ints import int64_tensor
+from .token_cache import TokenCache
 
 # Per-prompt settings of a RAG prompt, each None for the engine's default.
 RAG_OPTIONS = ("position_strategy", "chunk_attention", "recompute", "recompute_ratio",
@@ -104,7 +107,17 @@ def check_text(name: str, text: str, max_chars: int | None = None) -> None:
                          "characters fits max_model_len")
 
 
-def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt:
+def _reused(tokenizer, cache: TokenCache | None, salt: str | None):
+    """How the parts that recur (system parts, documents) are tokenized: (text, whether to
+    add special tokens) -> ids, through `cache` under the request's salt when there is one."""
+    if cache is not None:
+        return lambda text, special: cache.encode(text, special, salt)
+    return lambda text, special: tokenizer.encode(text, add_special_tokens=special)
+
+
+def parse_prompt(prompt: object, tokenizer, rules: PromptRules,
+                 cache: TokenCache | None = None) -> ChunkedPrompt:
+    """`cache`: token ids of system parts and chunks given as text, by their text."""
     salt = None
     layout: dict = {}
     if isinstance(prompt, dict):
@@ -120,14 +133,14 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt
         prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError("'prompt' must be a string")
-    if salt is not None and not isinstance(salt, str):
-        raise ValueError("cache_salt must be a string")
+    _check_salt(salt)
     if isinstance(prompt, str):
         check_text("prompt", prompt, rules.max_prompt_chars)
-        parsed = _split_text(prompt, tokenizer, rules.separator, salt)
+        parsed = _split_text(prompt, tokenizer, rules.separator, salt, cache)
         return _finish(replace(parsed, **layout), rules)
     if isinstance(prompt, RAGPrompt):
-        return _finish(_from_rag_prompt(prompt, tokenizer, rules.max_prompt_chars), rules)
+        return _finish(_from_rag_prompt(prompt, tokenizer, rules.max_prompt_chars, cache),
+                       rules)
     if isinstance(prompt, ChunkedPrompt):  # already tokenized (e.g. a split chat prompt)
         return _finish(prompt, rules)
     raise ValueError(
@@ -136,7 +149,8 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules) -> ChunkedPrompt
     )
 
 
-def _split_text(text: str, tokenizer, separator: str | None, salt: str | None) -> ChunkedPrompt:
+def _split_text(text: str, tokenizer, separator: str | None, salt: str | None,
+                cache: TokenCache | None = None) -> ChunkedPrompt:
     if not text:
         raise ValueError("prompt is empty")
     if not separator or separator not in text:
@@ -145,15 +159,17 @@ def _split_text(text: str, tokenizer, separator: str | None, salt: str | None) -
     system, chunks, question = parts[0], parts[1:-1], parts[-1]
     if not question.strip():
         raise ValueError("the question (the text after the last chunk separator) is empty")
+    reused = _reused(tokenizer, cache, salt)
     return ChunkedPrompt(
-        system=tokenizer.encode(system, add_special_tokens=True),
-        chunks=[tokenizer.encode(c, add_special_tokens=False) for c in chunks if c.strip()],
+        system=reused(system, True),
+        chunks=[reused(c, False) for c in chunks if c.strip()],
         question=tokenizer.encode(question, add_special_tokens=False),
         text=text, cache_salt=salt,
     )
 
 
-def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None) -> ChunkedPrompt:
+def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
+                     cache: TokenCache | None = None) -> ChunkedPrompt:
     chunks = p.chunks if isinstance(p.chunks, (list, tuple)) else ()
     named = [("RAGPrompt.system", p.system), ("RAGPrompt.question", p.question),
              *(("RAGPrompt.chunks", c) for c in chunks)]
@@ -165,11 +181,17 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None) -> ChunkedP
         raise ValueError(f"RAGPrompt has {total} characters; no text over {max_chars} "
                          "characters fits max_model_len")
 
-    def tokens(part, name: str, special: bool) -> list[int]:
+    _check_salt(p.cache_salt)  # before it keys the tokenizer cache
+    reused = _reused(tokenizer, cache, p.cache_salt)
+
+    def tokens(part, name: str, special: bool, reuse: bool = True) -> list[int]:
         if isinstance(part, str):
             # Like the separator form: a blank chunk is dropped, the system part gets BOS.
-            keep = special or part.strip()
-            return tokenizer.encode(part, add_special_tokens=special) if keep else []
+            if not (special or part.strip()):
+                return []
+            if reuse:
+                return reused(part, special)
+            return tokenizer.encode(part, add_special_tokens=special)
         _check_ids(name, part)
         return list(part)
 
@@ -181,16 +203,20 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None) -> ChunkedP
     return ChunkedPrompt(
         system=tokens(p.system, "RAGPrompt.system", True),
         chunks=[c for c in chunks if c],
-        question=tokens(p.question, "RAGPrompt.question", False),
+        question=tokens(p.question, "RAGPrompt.question", False, reuse=False),
         text=None, cache_salt=p.cache_salt,
         **{name: getattr(p, name) for name in RAG_OPTIONS},
     )
 
 
+def _check_salt(salt: object) -> None:
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt must be a string")
+
+
 def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
     if p.cache_salt is not None:
-        if not isinstance(p.cache_salt, str):
-            raise ValueError("cache_salt must be a string")
+        _check_salt(p.cache_salt)
         check_text("cache_salt", p.cache_salt)
     check_layout(p.position_strategy, p.chunk_attention, allow_default=True)
     check_recompute(p.recompute, p.recompute_ratio, p.recompute_sink_tokens, allow_default=True)
@@ -244,7 +270,8 @@ def _check_ids(name: str, ids: object) -> None:
 
 def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
                       separator: str | None = "##", cache_salt: str | None = None,
-                      max_chars: int | None = None) -> tuple[ChunkedPrompt, str]:
+                      max_chars: int | None = None,
+                      cache: TokenCache | None = None) -> tuple[ChunkedPrompt, str]:
     """Render a chat with the model's own template and cut it where the documents go.
 
     Documents come from `documents`, or else from separators in the last user message (every
@@ -256,9 +283,10 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
       line; S is the rendered text up to there (template preamble, the first user header).
     Everything after the documents (the rest of the conversation, the question, the assistant
     header) is the question part. The same system message and documents therefore give the
-    same S and chunks whatever the history, and the chunks are reused. Returns the prompt and
-    the full rendered text.
+    same S and chunks whatever the history, and the chunks are reused (`cache`: their token
+    ids by their text). Returns the prompt and the full rendered text.
     """
+    _check_salt(cache_salt)
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None:
         raise ValueError("a chat request needs at least one user message")
@@ -298,9 +326,10 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     if text.count(_DOC_SENTINEL) != 1:
         raise ValueError("the chat template does not keep the messages intact")
     head, tail = text.split(_DOC_SENTINEL)
+    reused = _reused(tokenizer, cache, cache_salt)
     prompt = ChunkedPrompt(
-        system=tokenizer.encode(head, add_special_tokens=False),
-        chunks=[tokenizer.encode(c, add_special_tokens=False) for c in chunk_texts],
+        system=reused(head, False),
+        chunks=[reused(c, False) for c in chunk_texts],
         question=tokenizer.encode(tail, add_special_tokens=False),
         text=head + "".join(chunk_texts) + tail,
         cache_salt=cache_salt,

@@ -258,21 +258,25 @@ def test_prompts_are_tokenized_off_the_engine_thread_and_size_capped(async_engin
         return original(self, *args, **kwargs)
 
     type(tokenizer).encode = encode
+    ae.engine.token_cache.clear()  # earlier tests sent these documents
     try:
         async def go():
             prepared = await ae.prepare(rag("Which is denser?"), GREEDY)
             outs = [o async for o in ae.generate(prepared, GREEDY)]
             with pytest.raises(ValueError, match=r"prompt has 8000000 characters"):
                 await ae.prepare("x" * 8_000_000, GREEDY)
-            return outs[-1]
+            first = len(threads)
+            await ae.prepare(rag("Which is lighter?"), GREEDY)
+            return outs[-1], first
 
         calls_before = len(threads)
-        last = _run(go())
+        last, first = _run(go())
     finally:
         type(tokenizer).encode = original
     assert last.finished
     assert threads[calls_before:] and all(t.startswith("ragkv-tokenizer") for t in threads)
-    assert len(threads) == calls_before + 4  # S, two chunks, Q: nothing for the 8 MB text
+    assert first == calls_before + 4  # S, two chunks, Q: nothing for the 8 MB text
+    assert len(threads) == first + 1  # then S and the chunks come from the tokenizer cache
 
 
 # --------------------------------------------- defect 10: constant per-step bookkeeping

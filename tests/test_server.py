@@ -122,6 +122,8 @@ def test_cached_tokens_and_chunk_hit_metrics(server, client):
             " The third document talks about deserts and wind."]
     hits_before = metric(server, "ragkv:chunk_cache_hits_total")
     queries_before = metric(server, "ragkv:chunk_cache_queries_total")
+    tok_hits_before = metric(server, "ragkv:tokenizer_cache_hits_total")
+    tok_queries_before = metric(server, "ragkv:tokenizer_cache_queries_total")
     first = client.completions.create(
         model=MODEL, prompt="Sys##" + "##".join(docs) + "##Q1?", max_tokens=2, temperature=0)
     again = client.completions.create(
@@ -132,6 +134,10 @@ def test_cached_tokens_and_chunk_hit_metrics(server, client):
     assert again.usage.prompt_tokens_details.cached_tokens >= again.usage.prompt_tokens - 6
     assert metric(server, "ragkv:chunk_cache_queries_total") == queries_before + 6
     assert metric(server, "ragkv:chunk_cache_hits_total") == hits_before + 3
+    # Each request's system part and documents go through the tokenizer cache (its question
+    # does not); the second finds its documents and the system part there.
+    assert metric(server, "ragkv:tokenizer_cache_queries_total") == tok_queries_before + 8
+    assert metric(server, "ragkv:tokenizer_cache_hits_total") >= tok_hits_before + 4
     assert metric(server, "ragkv:prompt_tokens_total") > 0
     assert metric(server, "ragkv:generation_tokens_total") > 0
     text = httpx.get(f"{server}/metrics").text

@@ -41,6 +41,7 @@ from ..prompt import (
     split_chat_prompt,
 )
 from ..sampling import SamplingParams, sample
+from ..token_cache import TokenCache, TokenCacheStats
 from .recompute import RecomputeSpec
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
@@ -132,6 +133,9 @@ class Engine:
         self.prompt_rules = PromptRules(mc.vocab_size, config.chunk_separator,
                                         config.max_chunk_tokens, config.oversize_chunk,
                                         max_chars)
+        # System parts and documents sent as text are tokenized once (token_cache.py).
+        self.token_cache = (TokenCache(self.tokenizer, config.tokenizer_cache_mb << 20)
+                            if config.tokenizer_cache_mb else None)
         # The store's entry format is in the namespace, so in the key: replicas of two versions
         # during a rolling upgrade use different keys instead of deleting each other's entries
         # as unreadable.
@@ -176,7 +180,7 @@ class Engine:
         ValueError naming the field and the limit. Reads only the tokenizer and the config,
         so a server runs it off the engine thread and hands the result to `add_request`."""
         params = self._check_params(params)
-        parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules)
+        parsed = parse_prompt(prompt, self.tokenizer, self.prompt_rules, self.token_cache)
         self._validate(len(parsed.token_ids), params)
         if parsed.chunks:
             self._check_rope(*self._layout_of(parsed))
@@ -230,7 +234,7 @@ class Engine:
             raise ValueError(f"unknown RAG option {unknown[0]!r}; known: {', '.join(RAG_OPTIONS)}")
         prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
                                       self.config.chunk_separator, cache_salt,
-                                      self.prompt_rules.max_prompt_chars)
+                                      self.prompt_rules.max_prompt_chars, self.token_cache)
         return self.process_prompt(replace(prompt, **rag_options), params)
 
     def _check_rope(self, position_strategy: str, chunk_attention: str) -> None:
@@ -677,6 +681,11 @@ class Engine:
             return ChunkCache(None).stats()
         return self.chunk_cache.stats()
 
+    def token_cache_stats(self) -> TokenCacheStats:
+        if self.token_cache is None:
+            return TokenCache(None, 0).stats()
+        return self.token_cache.stats()
+
     def clear_chunk_cache(self) -> int:
         if self._asleep:  # what sleep() offloaded is cached too: it does not come back
             dropped, self._asleep = len(self._asleep), []
@@ -696,6 +705,8 @@ class Engine:
                     if binding is not None and binding.entry is not None:
                         pins[id(binding.entry)] = pins.get(id(binding.entry), 0) + 1
             self.chunk_cache.check_integrity(pins)
+        if self.token_cache is not None:
+            self.token_cache.check_integrity()
 
 
 def _max_model_len(config: EngineConfig, mc) -> int:

@@ -52,6 +52,12 @@ class Metrics:
                                             "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("ragkv:prefix_cache_hits",
                                          "Tokens found in the prefix cache.")
+        self.tokenizer_cache_queries = counter(
+            "ragkv:tokenizer_cache_queries",
+            "System parts and documents sent as text looked up in the tokenizer cache.")
+        self.tokenizer_cache_hits = counter(
+            "ragkv:tokenizer_cache_hits",
+            "Tokenizer-cache lookups answered without running the tokenizer.")
         self.prompt_tokens = counter("ragkv:prompt_tokens",
                                      "Prompt tokens processed (counted at a request's first "
                                      "token).")
@@ -85,6 +91,9 @@ class Metrics:
                       chunks.recomputed_tokens)
         self._advance(self.prefix_cache_queries, "prefix_queries", stats.prefix_queried_tokens)
         self._advance(self.prefix_cache_hits, "prefix_hits", stats.prefix_hit_tokens)
+        tokens = engine.token_cache_stats()
+        self._advance(self.tokenizer_cache_queries, "tokenizer_queries", tokens.queries)
+        self._advance(self.tokenizer_cache_hits, "tokenizer_hits", tokens.hits)
         self.chunk_cache_usage.set(chunks.usage)
         self.kv_cache_usage.set(stats.kv_usage)
         self.num_running.set(stats.num_running)
