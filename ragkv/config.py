@@ -101,7 +101,7 @@ class EngineConfig:
         cache_mb = self.tokenizer_cache_mb
         if not isinstance(cache_mb, int) or isinstance(cache_mb, bool) or cache_mb < 0:
             raise ValueError(f"tokenizer_cache_mb must be an integer >= 0 (0: off), got "
-                             f"{self.tokenizer_cache_mb!r}")
+                             f"{cache_mb!r}")
         for name in ("kv_cache_tokens", "kv_cache_memory_bytes", "max_model_len",
                      "chunk_cache_tokens"):
             value = getattr(self, name)

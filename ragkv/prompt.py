@@ -107,10 +107,12 @@ def check_text(name: str, text: str, max_chars: int | None = None) -> None:
                          "characters fits max_model_len")
 
 
-def _reused(tokenizer, cache: TokenCache | None, salt: str | None):
+def _reused(tokenizer, cache: TokenCache | None, salt: object):
     """How the parts that recur (system parts, documents) are tokenized: (text, whether to
-    add special tokens) -> ids, through `cache` under the request's salt when there is one."""
-    if cache is not None:
+    add special tokens) -> ids, through `cache` under the request's salt when there is one.
+    A salt that is not a string bypasses the cache; `_finish` refuses it, after the checks
+    that come before it."""
+    if cache is not None and (salt is None or isinstance(salt, str)):
         return lambda text, special: cache.encode(text, special, salt)
     return lambda text, special: tokenizer.encode(text, add_special_tokens=special)
 
@@ -181,7 +183,6 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
         raise ValueError(f"RAGPrompt has {total} characters; no text over {max_chars} "
                          "characters fits max_model_len")
 
-    _check_salt(p.cache_salt)  # before it keys the tokenizer cache
     reused = _reused(tokenizer, cache, p.cache_salt)
 
     def tokens(part, name: str, special: bool, reuse: bool = True) -> list[int]:
@@ -286,7 +287,6 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     same S and chunks whatever the history, and the chunks are reused (`cache`: their token
     ids by their text). Returns the prompt and the full rendered text.
     """
-    _check_salt(cache_salt)
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None:
         raise ValueError("a chat request needs at least one user message")

@@ -60,10 +60,12 @@ def test_hits_equal_the_tokenizer_with_and_without_special_tokens(tok):
 
 def test_each_caller_gets_its_own_list(tok):
     cache = TokenCache(tok, 1 << 20)
-    first = cache.encode(TEXTS[0], False)
-    first.append(-1)
-    first[0] = -2
-    assert cache.encode(TEXTS[0], False) == tok.encode(TEXTS[0], add_special_tokens=False)
+    want = tok.encode(TEXTS[0], add_special_tokens=False)
+    for _ in range(3):  # a miss's list, then hits' lists
+        got = cache.encode(TEXTS[0], False)
+        assert got == want
+        got.append(-1)
+        got[0] = -2
 
 
 def test_least_recently_used_leave_first_and_bytes_stay_within_capacity(tok):
@@ -98,6 +100,12 @@ def test_what_does_not_fit_is_returned_and_not_kept(tok):
     assert cache.encode("x", False) == [1, 2**40]
     assert cache.encode("x", False) == [1, 2**40]
     assert huge_ids.calls == 2 and cache.stats().entries == 0
+    # A salt is held by its entries, so it counts: a huge one does not fit.
+    salted = TokenCache(tok, 1 << 20)
+    salted.encode(TEXTS[0], False, salt="s" * (2 << 20))
+    salted.encode(TEXTS[0], False, salt="s")
+    assert salted.stats().entries == 1
+    salted.check_integrity()
     with pytest.raises(ValueError, match="capacity_bytes"):
         TokenCache(tok, -1)
 
@@ -183,8 +191,13 @@ def test_a_salt_keeps_its_own_entries(tok):
         assert got.cache_salt == salt
     assert counting.calls == 3 * 2  # system and document once per salt; tenant-a hits
     assert cache.stats().hits == 2
+    # A salt that is not a string is refused as without the cache, after the checks that
+    # come first, and never keys an entry.
     with pytest.raises(ValueError, match="cache_salt must be a string"):
         parse_prompt(RAGPrompt("Sys", ["doc"], "q?", cache_salt=["x"]), tok, rules, cache)
-    with pytest.raises(ValueError, match="cache_salt must be a string"):
-        split_chat_prompt(tok, [{"role": "user", "content": "q?"}], ["doc"], cache_salt=3,
-                          cache=cache)
+    with pytest.raises(ValueError, match="RAGPrompt.question is empty"):
+        parse_prompt(RAGPrompt("Sys", ["doc"], "", cache_salt=["x"]), tok, rules, cache)
+    prompt, _ = split_chat_prompt(tok, [{"role": "user", "content": "q?"}], ["doc"],
+                                  cache_salt=3, cache=cache)
+    assert prompt.cache_salt == 3  # refused later, by parse_prompt, as before
+    assert cache.stats().entries == 3 * 2  # nothing new
