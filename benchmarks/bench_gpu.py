@@ -414,12 +414,21 @@ def main() -> None:
         system = ids(128, rng)
         docs = [ids(doc_len, rng) for _ in range(8)]
         cold = generate([RAGPrompt(system, docs, ids(64, rng))], 1)
-        warm_t = []
-        for _ in range(reps + 1):
-            order = docs[:]
-            rng.shuffle(order)
-            warm_t.append(generate([RAGPrompt(system, order, ids(64, rng))], 1))
-        warm = statistics.median(warm_t[1:])
+
+        def warm_ttft(system, docs, question, **layout) -> float:
+            """Median TTFT of `reps` requests (after one more, not counted), each with the
+            documents in a new order and a new question (`question()`)."""
+            times = []
+            for _ in range(reps + 1):
+                order = docs[:]
+                rng.shuffle(order)
+                times.append(generate([RAGPrompt(system, order, question(), **layout)], 1))
+            return statistics.median(times[1:])
+
+        def new_question() -> list[int]:
+            return ids(64, rng)
+
+        warm = warm_ttft(system, docs, new_question)
         floor = decode_floor(1, 0)
         fig["rag_ttft"] = {"warm": warm, "cold": cold, "floor": floor}
         rows.append((f"warm RAG TTFT, 128 + 8x{doc_len} + 64, all cached (cold "
@@ -463,12 +472,7 @@ def main() -> None:
                              ("sequential + blend 15%", dict(position_strategy="sequential",
                                                              recompute="blend",
                                                              recompute_ratio=0.15))):
-            times = []
-            for _ in range(reps + 1):
-                order = docs[:]
-                rng.shuffle(order)
-                times.append(generate([RAGPrompt(system, order, ids(64, rng), **layout)], 1))
-            t = statistics.median(times[1:])
+            t = warm_ttft(system, docs, new_question, **layout)
             fig[f"rag_ttft_{name}"] = t
             rows.append((f"warm RAG TTFT, {name}", t, None, floor,
                          f"{t / warm:.2f}x the shared layout"))
@@ -481,13 +485,7 @@ def main() -> None:
         system_text, doc_texts = tok.decode(system), [tok.decode(d) for d in docs]
 
         def text_ttft() -> float:
-            times = []
-            for _ in range(reps + 1):
-                order = doc_texts[:]
-                rng.shuffle(order)
-                question = tok.decode(ids(64, rng))
-                times.append(generate([RAGPrompt(system_text, order, question)], 1))
-            return statistics.median(times[1:])
+            return warm_ttft(system_text, doc_texts, lambda: tok.decode(new_question()))
 
         text_cached = text_ttft()
         held, llm.engine.token_cache = llm.engine.token_cache, None

@@ -57,6 +57,15 @@ def stub_model(llm: LLM) -> None:
     llm.engine.runner.model = forward
 
 
+def warm_rag_engine(path: str, **kwargs) -> LLM:
+    """An engine for the warm RAG scenarios: the model and the backend's attention metadata
+    stubbed out (a CUDA graph replaces the metadata on a GPU)."""
+    llm = LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192, **kwargs)
+    stub_model(llm)
+    llm.engine.runner.backend.prepare = lambda meta: None
+    return llm
+
+
 def context_scenario(path: str, batch: int, contexts: list[int], steps: int) -> list[float]:
     per_step = []
     for ctx in contexts:
@@ -109,9 +118,7 @@ def output_scenario(path: str, batch: int, tokens: int, window: int) -> tuple[fl
 def rag_scenario(path: str, requests: int) -> float:
     from ragkv import RAGPrompt
 
-    llm = LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192)
-    stub_model(llm)
-    llm.engine.runner.backend.prepare = lambda meta: None
+    llm = warm_rag_engine(path)
     gen = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -136,8 +143,7 @@ def rag_text_scenario(path: str, requests: int) -> tuple[float, float]:
     between the two engines so that both see the same machine."""
     from ragkv.demo_corpus import DOCUMENTS
 
-    engines = {mb: LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192,
-                       tokenizer_cache_mb=mb) for mb in (64, 0)}
+    engines = {mb: warm_rag_engine(path, tokenizer_cache_mb=mb) for mb in (64, 0)}
     tok = engines[64].get_tokenizer()
     words = " ".join(DOCUMENTS).split()
     rng = random.Random(0)
@@ -151,9 +157,6 @@ def rag_text_scenario(path: str, requests: int) -> tuple[float, float]:
     system, docs = text(128), [text(512) for _ in range(8)]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times: dict[int, list[float]] = {64: [], 0: []}
-    for llm in engines.values():
-        stub_model(llm)
-        llm.engine.runner.backend.prepare = lambda meta: None
     for i in range(requests + 20):  # the first 20 cache the chunks, then warm up
         order = docs[:]
         rng.shuffle(order)

@@ -185,14 +185,10 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
 
     reused = _reused(tokenizer, cache, p.cache_salt)
 
-    def tokens(part, name: str, special: bool, reuse: bool = True) -> list[int]:
+    def tokens(part, name: str, special: bool, encode=reused) -> list[int]:
         if isinstance(part, str):
             # Like the separator form: a blank chunk is dropped, the system part gets BOS.
-            if not (special or part.strip()):
-                return []
-            if reuse:
-                return reused(part, special)
-            return tokenizer.encode(part, add_special_tokens=special)
+            return encode(part, special) if special or part.strip() else []
         _check_ids(name, part)
         return list(part)
 
@@ -204,7 +200,8 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
     return ChunkedPrompt(
         system=tokens(p.system, "RAGPrompt.system", True),
         chunks=[c for c in chunks if c],
-        question=tokens(p.question, "RAGPrompt.question", False, reuse=False),
+        question=tokens(p.question, "RAGPrompt.question", False,
+                        encode=_reused(tokenizer, None, None)),  # new every time: not kept
         text=None, cache_salt=p.cache_salt,
         **{name: getattr(p, name) for name in RAG_OPTIONS},
     )
