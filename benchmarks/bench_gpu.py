@@ -232,19 +232,22 @@ def format_breakdown(parts: dict) -> str:
 
 
 def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: int,
-                       reps: int) -> dict:
+                       reps: int, plan_len: int) -> dict:
     """The extend kernel alone at the warm question's shape (n_q queries over n_kv cached
     entries at scattered slots), one launch per layer captured in a CUDA graph (device time,
     no launch overhead), with the group's heads packed into the tiles and without; against
-    one read of the K/V it attends to."""
+    one read of the K/V it attends to. Each layer's launch reads its own K/V, as a step does:
+    one shared copy (17.6 MB at the 8B shape) would be served from the L2 cache after the
+    first layer. Splits are the ones the engine's step plans, for KV lists up to `plan_len`
+    (the extend graphs plan for max_model_len), then a sweep of other counts."""
     from ragkv.model import triton_attention as ta
 
     device = torch.device(args.device)
     head_dim = args.hidden // args.heads
     slots = 2 * n_kv + 1
     gen = torch.Generator(device=device).manual_seed(0)
-    k_cache, v_cache = (torch.randn(slots, args.kv_heads, head_dim, generator=gen,
-                                    device=device, dtype=dtype) for _ in range(2))
+    caches = [tuple(torch.randn(slots, args.kv_heads, head_dim, generator=gen, device=device,
+                                dtype=dtype) for _ in range(2)) for _ in range(args.layers)]
     q = torch.randn(n_q, args.heads, head_dim, generator=gen, device=device, dtype=dtype)
     out = torch.empty_like(q)
     i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
@@ -253,25 +256,26 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
     kv_indptr, zero, q_lens, rows = i32([0, n_kv]), i32([0]), i32([n_q]), i32(list(range(n_q)))
 
     def graphed(pack: bool, splits: int) -> float:
-        step = lambda: ta.extend_attention(  # noqa: E731
-            q, k_cache, v_cache, out, kv_index, kv_indptr, zero, q_lens, n_q,
-            head_dim ** -0.5, splits, zero, rows, pack=pack)
-        step()
+        def step(k_cache, v_cache):
+            ta.extend_attention(q, k_cache, v_cache, out, kv_index, kv_indptr, zero, q_lens,
+                                n_q, head_dim ** -0.5, splits, zero, rows, pack=pack)
+
+        step(*caches[0])
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(args.layers):
-                step()
+            for k_cache, v_cache in caches:
+                step(k_cache, v_cache)
         graph.replay()
         return statistics.median(timed(graph.replay, args.device) for _ in range(reps * 4))
 
     figures = {}
     for pack in (False, True):
         name = "packed" if pack else "unpacked"
-        splits = ta.extend_splits([n_q], [n_kv], args.heads, args.kv_heads, device, pack)
+        splits = ta.extend_splits([n_q], [plan_len], args.heads, args.kv_heads, device, pack)
         figures[name] = graphed(pack, splits)
         figures[f"splits_{name}"] = splits
-    # The packed launch at other split counts: whether extend_splits' choice (about two waves
+    # The packed launch at other split counts: whether the planned count (about two waves
     # of programs) is the fastest, the merge included.
     figures["packed_by_splits"] = {
         s: graphed(True, s) for s in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -284,6 +288,24 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
 def ids(n: int, rng: random.Random) -> list[int]:
     # The built-in tokenizer's vocabulary is 4,096: ids stay below it.
     return [rng.randrange(10, 4000) for _ in range(n)]
+
+
+def text_of(tok, n: int, special: bool, rng: random.Random) -> str:
+    """A text the tokenizer encodes to exactly `n` tokens (with its special tokens if
+    `special`). Random ids decoded do not encode back to as many (64 come back as 65-81 with
+    the built-in tokenizer), which would make the text rows' requests, and the graphs they
+    run, other than the id rows'."""
+    extra = len(tok.encode("", add_special_tokens=special))  # BOS, if the tokenizer adds it
+    want = n - extra
+    for _ in range(20):  # fresh ids when trimming and topping up does not settle
+        pick = ids(want, rng)
+        for _ in range(5):
+            text = tok.decode(pick)
+            got = tok.encode(text, add_special_tokens=False)
+            if len(got) == want:
+                return text
+            pick = got[:want] if len(got) > want else got + ids(want - len(got), rng)
+    raise RuntimeError(f"no text of {n} tokens found")
 
 
 def main() -> None:
@@ -437,7 +459,11 @@ def main() -> None:
 
         if llm.engine.runner.backend.name == "triton" and device.startswith("cuda"):
             n_kv = 128 + 8 * doc_len + 64
-            kernel = question_attention(args, dtype, floors, 64, n_kv, reps)
+            # The splits the engine's question step runs with: its graphs plan for
+            # max_model_len, an eager step for the list it has.
+            graphs = llm.engine.runner.extend_graphs
+            plan_len = graphs.max_model_len if graphs is not None else n_kv
+            kernel = question_attention(args, dtype, floors, 64, n_kv, reps, plan_len)
             fig["question_attention"] = kernel
             rows.append((f"question's attention alone, {args.layers} layers x 64 over {n_kv}, "
                          "heads packed", kernel["packed"], None, kernel["floor"],
@@ -450,7 +476,7 @@ def main() -> None:
             best = min(by_splits, key=by_splits.get)
             say("question attention, packed, by KV splits: "
                 + ", ".join(f"{s}: {t * 1e3:.2f}" for s, t in by_splits.items())
-                + f" ms (fastest {best}; extend_splits chose {kernel['splits_packed']})")
+                + f" ms (fastest {best}; the engine's step uses {kernel['splits_packed']})")
 
         def one_rag(**layout) -> None:
             order = docs[:]
@@ -481,11 +507,14 @@ def main() -> None:
         # The same request sent as text, as a server's clients send it: the system part and
         # the documents are tokenized on every request unless the tokenizer cache (on by
         # default) holds them. Off is measured on the same engine with its cache set aside.
+        # Texts of the id rows' token counts (128 with BOS + 8 x 512 + 64), so the question
+        # runs the same graph.
         tok = llm.get_tokenizer()
-        system_text, doc_texts = tok.decode(system), [tok.decode(d) for d in docs]
+        system_text = text_of(tok, 128, True, rng)
+        doc_texts = [text_of(tok, doc_len, False, rng) for _ in docs]
 
         def text_ttft() -> float:
-            return warm_ttft(system_text, doc_texts, lambda: tok.decode(new_question()))
+            return warm_ttft(system_text, doc_texts, lambda: text_of(tok, 64, False, rng))
 
         text_cached = text_ttft()
         held, llm.engine.token_cache = llm.engine.token_cache, None
