@@ -11,7 +11,7 @@ they are and only their contents change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -37,6 +37,13 @@ class SlotTable:
     @property
     def num_rows(self) -> int:
         return self.table.shape[0] - 1
+
+    def entries(self, row: int, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The KV list a step of the sequence in `row` reads: the spans [a, b) of its row,
+        one after another (a view of the row when there is one span)."""
+        if len(spans) == 1:
+            return self.table[row, spans[0][0]:spans[0][1]]
+        return torch.cat([self.table[row, a:b] for a, b in spans])
 
     def sync(self, seqs: Iterable[SeqKV]) -> None:
         """Give each sequence a row if it has none and copy its new entries to the device."""

@@ -353,10 +353,7 @@ class ExtendGraphs(_StepGraphs):
         w = works[0]
         n = len(w.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        row = self.slot_table.table[w.request.kv.row]
-        spans = w.kv_spans
-        index = (row[spans[0][0]:spans[0][1]] if len(spans) == 1
-                 else torch.cat([row[a:b] for a, b in spans]))
+        index = self.slot_table.entries(w.request.kv.row, w.kv_spans)
         self._fill(index, w.token_ids, w.positions, size)
         turning = bool(w.kv_rotations)
         if turning:

@@ -75,10 +75,7 @@ class ModelRunner:
         for w in works:
             row = w.request.kv.row
             spans = w.kv_spans
-            if len(spans) == 1:
-                index = table[row, spans[0][0]:spans[0][1]]
-            else:
-                index = torch.cat([table[row, a:b] for a, b in spans])
+            index = self.slot_table.entries(row, spans)
             q, k = len(w.token_ids), index.numel()
             at = w.query_index
             if at is not None and at[0] == k - q and at[-1] == k - 1:
