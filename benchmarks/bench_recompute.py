@@ -39,10 +39,10 @@ def main() -> None:
 
     from ragkv import LLM, RAGPrompt, SamplingParams
     from ragkv.bench.flops import full_prefill_flops, recompute_flops
+    from ragkv.engine.recompute import check_layers_for
 
     llm = LLM(args.model, max_num_batched_tokens=4096, position_strategy="sequential")
     mc = llm.engine.model_config
-    check_layers = llm.engine.config.recompute_check_layers
     rng = random.Random(0)
 
     def tokens(n: int) -> list[int]:
@@ -89,19 +89,23 @@ def main() -> None:
             recomputed[point] = count
     t_full = statistics.median(times["full"])
     f_full = full_prefill_flops(mc, s + n * length + q)
-    probe_layers = max(check_layers) + 1
+    check_layers = {m: check_layers_for(m, llm.engine.config.recompute_check_layers,
+                                        mc.num_layers) for m in methods}
     rows = []
     print(f"prompt: system {s} + {n} x {length} documents + question {q}; model {args.model} "
-          f"({mc.num_layers} layers), check layers {check_layers}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+          f"({mc.num_layers} layers), check layers "
+          + ", ".join(f"{m} {check_layers[m]}" for m in methods if m != "sink")
+          + f", {torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"full prefill TTFT {t_full * 1e3:.1f} ms")
     print(f"{'method':<7} {'r':>5} {'tokens':>6} {'warm ms':>8} {'speedup':>8} {'bound':>7} "
           f"{'of bound':>8}")
     for method, ratio in points:
         t = statistics.median(times[(method, ratio)])
         probe = method if method in ("blend", "query") and 0 < ratio < 1 else None
-        bound = f_full / recompute_flops(mc, s, [length] * n, q, ratio, probe, probe_layers)
-        row = {"method": method, "ratio": ratio, "recomputed_tokens": recomputed[(method, ratio)],
+        bound = f_full / recompute_flops(mc, s, [length] * n, q, ratio, probe,
+                                         max(check_layers[method]) + 1)
+        row = {"method": method, "ratio": ratio, "check_layers": check_layers[method],
+               "recomputed_tokens": recomputed[(method, ratio)],
                "warm_ttft_s": t, "speedup": t_full / t, "flop_bound": bound,
                "fraction_of_bound": (t_full / t) / bound}
         rows.append(row)

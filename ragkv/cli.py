@@ -77,9 +77,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
     parser.add_argument("--recompute-sink-tokens", type=int, default=None,
                         help="sink tokens per chunk (unset: the ratio of each chunk for sink "
                              f"alone, {DEFAULT_SINK_TOKENS} in sink+blend and sink+query)")
-    parser.add_argument("--recompute-check-layers", type=_layer_list, default=(1,),
+    parser.add_argument("--recompute-check-layers", type=_layer_list, default=None,
                         help="comma-separated layers whose K/V deviation (blend) or question "
-                             "attention (query) scores chunk tokens")
+                             "attention (query) scores chunk tokens (unset: layer 1 for blend, "
+                             "13%%, 27%% and 40%% of the depth for query)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--max-n", type=int, default=128,

@@ -80,11 +80,12 @@ class EngineConfig:
     # Selective recompute of chunk tokens (sequential positions only; a request may choose
     # its own): the method, the fraction r of chunk tokens recomputed, k sink tokens per
     # chunk (None: ceil(r * len) for `sink` alone, DEFAULT_SINK_TOKENS in combinations), and
-    # the layers whose K/V deviation (`blend`) or question attention (`query`) scores tokens.
+    # the layers whose K/V deviation (`blend`) or question attention (`query`) scores tokens
+    # (None: each scorer's own, engine/recompute.py: check_layers_for).
     recompute: str = "none"
     recompute_ratio: float = 0.15
     recompute_sink_tokens: int | None = None
-    recompute_check_layers: tuple[int, ...] = (1,)
+    recompute_check_layers: tuple[int, ...] | None = None
     # Check the scheduler's invariants after every step (also on with RAGKV_DEBUG_CHECKS=1).
     debug_checks: bool = False
     # Attention kernels: "auto" is "triton" on CUDA when Triton imports, else "torch".
@@ -128,11 +129,12 @@ class EngineConfig:
             raise ValueError(f"recompute={self.recompute!r} recomputes chunk tokens in the "
                              "sequential layout: set position_strategy='sequential'")
         layers = self.recompute_check_layers
-        if (not isinstance(layers, tuple) or not layers
+        if layers is not None and (
+                not isinstance(layers, tuple) or not layers
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
                            for x in layers)):
-            raise ValueError("recompute_check_layers must be a non-empty tuple of layer "
-                             f"indices >= 0, got {layers!r}")
+            raise ValueError("recompute_check_layers must be None (each method's default) or "
+                             f"a non-empty tuple of layer indices >= 0, got {layers!r}")
         if self.chunk_hash_algo not in SUPPORTED_HASHES:
             raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, got "
                              f"{self.chunk_hash_algo!r}")

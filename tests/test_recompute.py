@@ -426,8 +426,34 @@ def test_a_failed_step_fails_the_requests_waiting_for_their_choice():
     cache.check_integrity({})
 
 
+def test_check_layers_default_per_scorer(llama):
+    """Unset check layers are the scorer's: `query` probes at 13/27/40% of the depth (the
+    layers measured on SmolLM2's 30), `blend` at layer 1; configured ones are kept."""
+    from ragkv.engine.recompute import check_layers_for
+
+    assert check_layers_for("query", None, 30) == (4, 8, 12)
+    assert check_layers_for("sink+query", None, 32) == (4, 9, 13)
+    assert check_layers_for("query", None, 2) == (0, 1)
+    assert check_layers_for("query", None, 1) == (0,)
+    assert check_layers_for("blend", None, 30) == check_layers_for("sink+blend", None, 8) == (1,)
+    assert check_layers_for("query", (2, 5), 30) == (2, 5)
+    path, _ = llama
+    S, A, Q = random_prompt(5, seed=120), random_prompt(8, seed=121), random_prompt(3, seed=122)
+    llm = make_llm(path, kv_cache_tokens=512)
+    engine = llm.engine
+    n = engine.model_config.num_layers
+    for method in ("query", "sink+query", "blend"):
+        spec = engine._recompute_of(engine.process_prompt(RAGPrompt(S, [A], Q, recompute=method)))
+        assert spec.check_layers == check_layers_for(method, None, n)
+    llm = make_llm(path, kv_cache_tokens=512, recompute_check_layers=(0,))
+    engine = llm.engine
+    spec = engine._recompute_of(engine.process_prompt(RAGPrompt(S, [A], Q, recompute="query")))
+    assert spec.check_layers == (0,)
+
+
 def test_one_layer_model_loads_with_recompute_off(tmp_path):
-    """The default check layer (1) is checked only where recompute is used."""
+    """Check layers are checked only where recompute is used: blend's default (layer 1)
+    fails on one layer, query's default fits any depth, and sink alone probes nothing."""
     import conftest
 
     from ragkv import LLM
@@ -442,7 +468,12 @@ def test_one_layer_model_loads_with_recompute_off(tmp_path):
         conftest._BASE.clear()
         conftest._BASE.update(base)
     llm = LLM(path, kv_cache_tokens=256)
-    with pytest.raises(ValueError, match="layer 1"):
+    with pytest.raises(ValueError, match=r"layer 1; the model has layers 0 \.\. 0"):
         llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute="blend")], GREEDY,
                      use_tqdm=False)
+    llm.check_integrity()
+    for method in ("query", "sink"):
+        out = llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute=method,
+                                      recompute_ratio=0.5)], GREEDY, use_tqdm=False)[0]
+        assert out.metrics.num_recomputed_tokens == 1
     llm.check_integrity()

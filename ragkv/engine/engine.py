@@ -42,7 +42,7 @@ from ..prompt import (
 )
 from ..sampling import SamplingParams, sample
 from ..token_cache import TokenCache, TokenCacheStats
-from .recompute import RecomputeSpec
+from .recompute import RecomputeSpec, check_layers_for
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -143,7 +143,7 @@ class Engine:
                            f"|format={FORMAT_VERSION}")
         self._check_rope(config.position_strategy, config.chunk_attention)
         if config.recompute != "none":
-            self._check_layers()
+            self._check_layers(config.recompute)
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, self.max_model_len, self.device)
         self.kv.slot_table = self.slot_table
@@ -212,15 +212,19 @@ class Engine:
         if strategy != "sequential":
             raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
                              f"layout, not with position_strategy={strategy!r}")
-        self._check_layers()
-        return RecomputeSpec(method, float(ratio), sink, c.recompute_check_layers)
+        return RecomputeSpec(method, float(ratio), sink, self._check_layers(method))
 
-    def _check_layers(self) -> None:
-        layers, n = self.config.recompute_check_layers, self.model_config.num_layers
+    def _check_layers(self, method: str) -> tuple[int, ...]:
+        """The check layers `method` probes on this model; a configured layer the model
+        does not have is a ValueError."""
+        configured, n = self.config.recompute_check_layers, self.model_config.num_layers
+        layers = check_layers_for(method, configured, n)
         bad = [x for x in layers if x >= n]
-        if bad:
-            raise ValueError(f"recompute_check_layers={layers} names layer {bad[0]}; the "
-                             f"model has layers 0 .. {n - 1}")
+        if bad and (configured is not None or method != "sink"):  # sink alone probes nothing
+            which = "" if configured is not None else f" ({method}'s default)"
+            raise ValueError(f"recompute_check_layers={layers}{which} names layer {bad[0]}; "
+                             f"the model has layers 0 .. {n - 1}")
+        return layers
 
     def process_chat(self, messages: list[dict], documents: list[str] | None = None,
                      cache_salt: str | None = None,
