@@ -1,9 +1,10 @@
 """The sampler's cost per step on this machine, per batch size, vocabulary and settings.
 
-Prints milliseconds per `sample()` call (median of repeats) for greedy, plain sampling and
-top-k + top-p, on random logits. With `--compare FILE`, also times the `sample()` of another
-version of ragkv/sampling.py side by side (the one before counter-based noise took a
-`torch.Generator` per row), e.g.
+Prints milliseconds per `sample()` call (median of repeats) for greedy, plain sampling,
+top-k + top-p, and greedy with the three penalties (each row having generated 256 tokens after
+a 4,288-token prompt, the warm RAG shape), on random logits. With `--compare FILE`, also times
+the `sample()` of another version of ragkv/sampling.py side by side (the one before
+counter-based noise took a `torch.Generator` per row), e.g.
 
     git show d089013:ragkv/sampling.py > /tmp/old_sampling.py
     python benchmarks/bench_sampler.py --compare /tmp/old_sampling.py
@@ -21,7 +22,7 @@ from functools import partial
 
 import torch
 
-from ragkv.sampling import SamplingParams, sample
+from ragkv.sampling import SamplingParams, TokenHistory, sample
 
 
 def load(path: str):
@@ -57,7 +58,9 @@ def main() -> None:
     other_takes_generators = other is not None and "generators" in inspect.signature(
         other.sample).parameters
     settings = {"greedy": dict(temperature=0.0), "plain": dict(temperature=0.8),
-                "top-k 50 + top-p 0.9": dict(temperature=0.8, top_k=50, top_p=0.9)}
+                "top-k 50 + top-p 0.9": dict(temperature=0.8, top_k=50, top_p=0.9),
+                "greedy + penalties": dict(temperature=0.0, presence_penalty=0.5,
+                                           frequency_penalty=0.5, repetition_penalty=1.1)}
     header = "| vocab | batch | settings | ms per call |" + (
         " other version | other / this |" if other else "")
     print(header)
@@ -68,9 +71,19 @@ def main() -> None:
             for name, kw in settings.items():
                 params = [SamplingParams(seed=i, **kw) for i in range(batch)]
                 keys = list(range(batch)), [7] * batch
-                ours = timed(partial(sample, logits, params, *keys), args.device, args.repeats)
+                history = None
+                if params[0].has_penalties:
+                    gen = torch.Generator().manual_seed(0)
+                    history = [TokenHistory(
+                        torch.randint(vocab, (256,), generator=gen).tolist(),
+                        torch.randint(vocab, (4288,), generator=gen).to(args.device))
+                        for _ in range(batch)]
+                ours = timed(partial(sample, logits, params, *keys, history), args.device,
+                             args.repeats)
                 line = f"| {vocab} | {batch} | {name} | {ours * 1e3:.2f} |"
-                if other is not None:
+                if other is not None and history is not None:
+                    line += " – | – |"  # older versions had no penalties
+                elif other is not None:
                     theirs_params = [other.SamplingParams(seed=i, **kw) for i in range(batch)]
                     if other_takes_generators:
                         gens = [torch.Generator(device=args.device).manual_seed(i)

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+
+from .host_ints import int64_tensor
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -27,6 +30,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's (and OpenAI's) penalties, applied to the logits before any sampling, greedy
+    # included: presence subtracts once per token already generated, frequency once per
+    # occurrence, repetition divides positive logits (multiplies negative ones) of every token
+    # in the prompt or the output. logit_bias adds to the given token ids' logits first.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -58,10 +69,32 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
             _check_int("stop_token_ids entry", token, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1: none), got "
+                             f"{self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got "
+                                 f"{self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias token id", token, minimum=0)
+                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias of token {token} must be a number in "
+                                     f"[-100, 100], got {bias!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits are changed before sampling (penalties or logit_bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__slots__}
@@ -153,15 +186,95 @@ def to_uniform_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_right_shift_(9).float().add_(0.5).mul_(1.0 / (1 << 23))
 
 
+@dataclass(frozen=True, slots=True)
+class TokenHistory:
+    """What a row's penalties read: its sequence's generated tokens, and its prompt's token
+    ids on the logits' device (None unless it asks for a repetition penalty)."""
+
+    output: list[int]
+    prompt: torch.Tensor | None = None
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                    history: list[TokenHistory | None]) -> torch.Tensor:
+    """`logits` [B, V] (float32) after each row's logit_bias, then its repetition, frequency
+    and presence penalties, in vLLM's order and with its formulas; rows that ask for none are
+    unchanged. A new tensor when any row asks (the raw logits stay for logprobs).
+
+    Every penalty touches only the tokens a row has seen, so each is a gather or scatter at
+    (row, token) pairs, not a pass over [B, V]: the generated tokens' pairs and counts are
+    built on the host (one transfer with the rest), the prompts are already on the device,
+    and nothing waits for the device."""
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    device = logits.device
+    bias = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
+    # Each row's distinct generated tokens and how often each occurs (Counter counts in C).
+    seen_rows_host: list[int] = []
+    seen_ids_host: list[int] = []
+    seen_counts_host: list[int] = []
+    repeat_seen: list[int] = []  # which of those pairs are in rows with a repetition penalty
+    for i in rows:
+        counts = Counter(history[i].output)
+        if params[i].repetition_penalty != 1.0:
+            repeat_seen += range(len(seen_ids_host), len(seen_ids_host) + len(counts))
+        seen_rows_host += [i] * len(counts)
+        seen_ids_host += counts.keys()
+        seen_counts_host += counts.values()
+    repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
+    prompts = [history[i].prompt for i in repeat]
+    # Ints in one transfer, floats in another (non-blocking: a blocking copy to a GPU waits
+    # for the step's forward to finish).
+    ints = int64_tensor([i for i, _, _ in bias] + [t for _, t, _ in bias] + seen_rows_host
+                        + seen_ids_host + repeat + [ids.numel() for ids in prompts]
+                        + repeat_seen).to(device, non_blocking=True)
+    floats = torch.tensor([b for _, _, b in bias] + seen_counts_host
+                          + [p.repetition_penalty for p in params]
+                          + [p.frequency_penalty for p in params]
+                          + [p.presence_penalty for p in params],
+                          dtype=torch.float32).to(device, non_blocking=True)
+    nb, ns, nr, batch = len(bias), len(seen_ids_host), len(repeat), len(params)
+    bias_rows, bias_ids, seen_rows, seen_ids, rep_rows, rep_lens, rep_seen = ints.split(
+        [nb, nb, ns, ns, nr, nr, len(repeat_seen)])
+    bias_values, seen_counts, repetition, frequency, presence = floats.split(
+        [nb, ns, batch, batch, batch])
+    out = logits.clone()
+    flat = out.view(-1)  # (row, token) pairs as flat indices: 1-D gathers are the cheap kind
+    vocab = out.shape[1]
+    if bias:
+        flat.index_add_(0, bias_rows * vocab + bias_ids, bias_values)
+    seen_flat = seen_rows * vocab + seen_ids
+    if repeat:
+        # The prompts' tokens and the generated ones. A token listed twice gets the same
+        # value written twice: both are computed from the logit before the penalty.
+        prompt_ids = torch.cat(prompts)
+        # output_size: the count is known here, so the device is not asked for it (a sync).
+        prompt_rows = torch.repeat_interleave(rep_rows, rep_lens, output_size=prompt_ids.numel())
+        pairs = torch.cat([prompt_rows * vocab + prompt_ids, seen_flat[rep_seen]])
+        values = flat[pairs]
+        factor = repetition[torch.cat([prompt_rows, seen_rows[rep_seen]])]
+        # HF's and vLLM's rule: a positive logit is divided, a negative one multiplied.
+        flat[pairs] = torch.where(values > 0, values / factor, values * factor)
+    if ns:
+        flat.index_add_(0, seen_flat, -(frequency[seen_rows] * seen_counts + presence[seen_rows]))
+    return out
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
-           steps: list[int]) -> SampleResult:
+           steps: list[int], history: list[TokenHistory | None] | None = None
+           ) -> SampleResult:
     """Sample one token per row of `logits` [B, V] (float32).
 
     Row i draws from the counter-based stream of `seeds[i]` at position `steps[i]` (how many
-    tokens its sequence has sampled so far). Logprobs are of the raw model distribution
-    (vLLM's default). Everything stays on the logits' device until one transfer at the end.
+    tokens its sequence has sampled so far). Rows whose params have penalties or a logit bias
+    read `history[i]` (apply_penalties), greedy rows included. Logprobs are of the raw model
+    distribution (vLLM's default). Everything stays on the logits' device until one transfer
+    at the end.
     """
-    logits = logits.float()
+    raw = logits = logits.float()
+    if history is not None:
+        logits = apply_penalties(logits, params, history)
     batch = logits.shape[0]
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -178,7 +291,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     # Logprobs: the sampled token's, its rank and the top k, packed with the token ids into
     # one float64 tensor (ids and ranks are exact there) for a single transfer.
     rows = torch.tensor(want, device=logits.device)
-    logp = torch.log_softmax(logits[rows], dim=-1)
+    logp = torch.log_softmax(raw[rows], dim=-1)
     picked = token_ids[rows]
     picked_logp = logp.gather(1, picked[:, None])
     ranks = (logp > picked_logp).sum(dim=-1, keepdim=True) + 1

@@ -106,17 +106,22 @@ def extend_layout(positions: list[int], visible: torch.Tensor, num_new: int,
 
 
 @torch.inference_mode()
-def reference_logprobs(hf_model, token_ids: list[int], positions: list[int],
-                       visible: torch.Tensor) -> torch.Tensor:
-    """Next-token log-probabilities after the last token, float32 [vocab]."""
+def reference_logits(hf_model, token_ids: list[int], positions: list[int],
+                     visible: torch.Tensor) -> torch.Tensor:
+    """Next-token logits after the last token, float32 [vocab]."""
     mask = torch.zeros(visible.shape, dtype=torch.float32)
     mask.masked_fill_(~visible, float("-inf"))
-    logits = hf_model(
+    return hf_model(
         input_ids=torch.tensor([token_ids]),
         attention_mask=mask[None, None],
         position_ids=torch.tensor([positions]),
-    ).logits[0, -1]
-    return logits.float().log_softmax(-1)
+    ).logits[0, -1].float()
+
+
+def reference_logprobs(hf_model, token_ids: list[int], positions: list[int],
+                       visible: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities after the last token, float32 [vocab]."""
+    return reference_logits(hf_model, token_ids, positions, visible).log_softmax(-1)
 
 
 def reference_greedy(hf_model, token_ids: list[int], positions: list[int], visible: torch.Tensor,

@@ -164,3 +164,28 @@ def test_graphs_write_only_memory_they_own(checkpoint):
     torch.cuda.synchronize()
     assert all(bool((t == 7.0).all()) for t in sentinels)
     llm.check_integrity()
+
+
+def test_penalties_on_cuda_equal_cpu_and_never_sync():
+    """apply_penalties on the GPU: the CPU's result, with no host sync (sync debug mode
+    raises on one)."""
+    from ragkv.sampling import TokenHistory, apply_penalties
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen) * 4
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5,
+                             presence_penalty=-0.2, logit_bias={3: 2.0}), SamplingParams(),
+              SamplingParams(presence_penalty=1.0)] * 2
+    outputs = [torch.randint(1000, (n,), generator=gen).tolist() for n in (50, 0, 9) * 2]
+    prompts = [torch.randint(1000, (n,), generator=gen) for n in (300, 1, 40) * 2]
+    want = apply_penalties(logits, params, [TokenHistory(o, p) for o, p in
+                                            zip(outputs, prompts, strict=True)])
+    history = [TokenHistory(o, p.cuda()) for o, p in zip(outputs, prompts, strict=True)]
+    cuda_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = apply_penalties(cuda_logits, params, history)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)

@@ -70,6 +70,21 @@ def test_completion_equals_offline_engine(client, offline):
         assert r.usage.completion_tokens == len(want.outputs[0].token_ids)
 
 
+def test_penalties_and_logit_bias_equal_offline_engine(client, offline):
+    extra = dict(frequency_penalty=1.2, presence_penalty=0.3, logit_bias={"77": 4.0})
+    offline_params = SamplingParams(max_tokens=10, temperature=0, frequency_penalty=1.2,
+                                    presence_penalty=0.3, repetition_penalty=1.5,
+                                    logit_bias={77: 4.0})
+    r = client.completions.create(model=MODEL, prompt=DOCS_PROMPT, max_tokens=10, temperature=0,
+                                  extra_body={"repetition_penalty": 1.5}, **extra)
+    want = offline.generate(DOCS_PROMPT, offline_params, use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == want.text
+    forced = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        logit_bias={"77": 100})
+    assert forced.choices[0].message.content == offline.engine.tokenizer.decode([77] * 3)
+
+
 def test_streaming_equals_non_streaming(client):
     for kwargs in ({"prompt": DOCS_PROMPT}, {"prompt": "Plain text prompt"}):
         full = client.completions.create(model=MODEL, max_tokens=12, temperature=0, **kwargs)
@@ -236,6 +251,12 @@ def test_api_key_enforced(server):
      400, "recompute_ratio"),
     ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "blend",
       "position_strategy": "shared"}, 400, "sequential layout"),
+    ({"model": MODEL, "prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "q"}],
+      "logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "[-100, 100]"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "vocabulary"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, status, fragment):
     chat = isinstance(body, dict) and "messages" in body

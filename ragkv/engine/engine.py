@@ -26,6 +26,7 @@ from ..config import (
     resolve_dtype,
 )
 from ..detokenizer import IncrementalDetokenizer
+from ..host_ints import int64_tensor
 from ..model.attention import get_attention_backend
 from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
@@ -40,7 +41,7 @@ from ..prompt import (
     parse_prompt,
     split_chat_prompt,
 )
-from ..sampling import SamplingParams, sample
+from ..sampling import SamplingParams, TokenHistory, sample
 from ..token_cache import TokenCache, TokenCacheStats
 from .recompute import RecomputeSpec, check_layers_for
 from .request import PromptLayout, Request, RequestStatus
@@ -420,6 +421,11 @@ class Engine:
             )
         if params.n > self.config.max_n:
             raise ValueError(f"n={params.n} exceeds max_n={self.config.max_n}")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in params.logit_bias or () if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary "
+                             f"(ids 0 .. {vocab - 1})")
         if params.logprobs is not None:
             limit = min(self.config.max_logprobs, self.model_config.vocab_size)
             if params.logprobs > limit:
@@ -489,9 +495,13 @@ class Engine:
         touched: dict[str, None] = {}
         if sampled:
             try:
+                history = None
+                if any(r.params.has_penalties for r in sampled):
+                    history = [self._history(r) if r.params.has_penalties else None
+                               for r in sampled]
                 result = sample(logits, [r.params for r in sampled],
                                 [r.seed for r in sampled],
-                                [r.num_output_tokens for r in sampled])
+                                [r.num_output_tokens for r in sampled], history)
             except Exception as e:  # noqa: BLE001 (the sampled requests fail, not the engine)
                 logger.exception("sampling failed")
                 for req in sampled:
@@ -516,6 +526,17 @@ class Engine:
                                          or all(c.status.finished for c in children)):
                 outputs.append(self._output(pid))
         return outputs
+
+    def _history(self, req: Request) -> TokenHistory:
+        """What a request's penalties read; its prompt's distinct ids go to the device
+        once."""
+        prompt = None
+        if req.params.repetition_penalty != 1.0:
+            if req.prompt_ids_on_device is None:
+                distinct = list(set(req.prompt_token_ids))
+                req.prompt_ids_on_device = int64_tensor(distinct).to(self.device)
+            prompt = req.prompt_ids_on_device
+        return TokenHistory(req.output_token_ids, prompt)
 
     @staticmethod
     def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:

@@ -177,6 +177,8 @@ class Request:
     recompute: RecomputeSpec | None = None
     selected: tuple[int, ...] | None = None
     num_recomputed: int = 0
+    # The prompt's distinct token ids on the device, sent once for a repetition penalty.
+    prompt_ids_on_device: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -61,6 +61,11 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # OpenAI's form: token ids as JSON object keys (strings).
+    logit_bias: dict[str, float] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
@@ -87,7 +92,23 @@ class _SamplingFields(BaseModel):
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             max_tokens=max_tokens, ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens is not False,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ErrorResponse(400, f"logit_bias keys must be token ids, got {key!r}",
+                                    param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_SamplingFields):

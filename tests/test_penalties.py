@@ -1,0 +1,169 @@
+"""Presence, frequency and repetition penalties and logit_bias: the formulas on hand-made
+logits against a plain reference, greedy decoding against HF transformers (its own
+`repetition_penalty`, and a reference loop over its logits for the others, RAG prompts
+included), and bad values as clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompt
+from reference import extend_layout, layout_reference, reference_logits
+
+from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv.sampling import TokenHistory, apply_penalties, sample
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def penalized(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+              output: list[int]) -> torch.Tensor:
+    """One row by the definitions, token by token (vLLM's order: bias, then repetition,
+    frequency and presence)."""
+    row = logits.clone()
+    for token, bias in (params.logit_bias or {}).items():
+        row[token] += bias
+    for token in set(prompt) | set(output):
+        if params.repetition_penalty != 1.0:
+            value = row[token]
+            row[token] = (value / params.repetition_penalty if value > 0
+                          else value * params.repetition_penalty)
+    for token in set(output):
+        row[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return row
+
+
+def test_penalties_on_hand_made_logits_equal_the_definitions():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 40
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    params = [SamplingParams(repetition_penalty=1.7),
+              SamplingParams(),  # no penalty: the row is untouched
+              SamplingParams(frequency_penalty=0.6, presence_penalty=-0.4),
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=-1.5,
+                             presence_penalty=2.0, logit_bias={3: 7.5, 39: -100.0}),
+              SamplingParams(logit_bias={0: 1.25})]
+    prompts = [[1, 2, 2, 5], [1], [7, 8], [3, 4, 4, 9, 30], [6]]
+    outputs = [[5, 6, 6], [2, 2], [8, 8, 8, 11], [4, 12, 12, 39], []]
+    history = [TokenHistory(o, torch.tensor(p)) for p, o in zip(prompts, outputs, strict=True)]
+    history[1] = None  # rows without penalties need none
+    got = apply_penalties(logits, params, history)
+    for i, p in enumerate(params):
+        want = penalized(logits[i], p, prompts[i], outputs[i])
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    assert torch.equal(got[1], logits[1])
+    # Nothing to do: the same tensor back.
+    assert apply_penalties(logits, [SamplingParams()] * 5, [None] * 5) is logits
+
+
+def test_greedy_follows_the_penalized_logits_and_logprobs_stay_raw():
+    logits = torch.tensor([[0.0, 4.0, 3.0, -1.0], [0.0, 4.0, 3.0, -1.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0, logprobs=2, presence_penalty=1.5)]
+    history = [None, TokenHistory([1])]
+    out = sample(logits, params, [0, 0], [1, 1], history)
+    assert out.token_ids == [1, 2]  # token 1 already generated: 4 - 1.5 < 3
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.token_logprobs[1] == pytest.approx(float(raw[2]))
+    assert out.top_logprobs[1][0] == out.top_logprobs[0][0] == [1, 2]
+    assert out.top_logprobs[1][2] == 2  # the sampled token's rank in the raw distribution
+
+
+def test_seeded_sampling_with_penalties_is_the_same_alone_and_batched():
+    llm = LLM("builtin:tiny")
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True,
+                            frequency_penalty=1.0, repetition_penalty=1.2)
+    alone = llm.generate("The garden is green and", params, use_tqdm=False)[0]
+    batch = llm.generate(["Once upon a time", "The garden is green and"],
+                         [SamplingParams(temperature=0.7, max_tokens=9), params],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    llm.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint, hf_model):
+    path = checkpoint("llama")
+    return path, hf_model(path)
+
+
+def test_repetition_penalty_equals_hf_generate(llama):
+    path, hf = llama
+    llm = LLM(path, kv_cache_tokens=1024)
+    prompt = random_prompt(6, seed=5) * 3  # repeated tokens for the penalty to act on
+    plain = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    for penalty in (1.8, 0.5):
+        params = GREEDY.clone(repetition_penalty=penalty)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                           do_sample=False, max_new_tokens=GREEDY.max_tokens,
+                           repetition_penalty=penalty, pad_token_id=0)[0, len(prompt):]
+        assert out.outputs[0].token_ids == want.tolist()
+        assert out.outputs[0].token_ids != plain.outputs[0].token_ids  # the penalty acted
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("penalties", [
+    dict(frequency_penalty=1.5, presence_penalty=0.5),
+    dict(repetition_penalty=2.0, presence_penalty=-0.5, logit_bias={40: 3.0}),
+])
+def test_penalties_on_a_rag_prompt_equal_a_reference_loop(llama, penalties):
+    """Cold and warm: the penalties read the whole prompt (S, every chunk, Q)."""
+    path, hf = llama
+    llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    S, C = random_prompt(5, seed=11), [random_prompt(7, seed=12), random_prompt(4, seed=13)]
+    Q = random_prompt(3, seed=14)
+    params = GREEDY.clone(**penalties)
+    ids, positions, visible, hidden = layout_reference(S, C, Q)
+    want: list[int] = []
+    for _ in range(params.max_tokens):
+        logits = reference_logits(hf, ids + want, positions, visible)
+        token = int(penalized(logits, params, ids, want).argmax())
+        want.append(token)
+        positions, visible = extend_layout(positions, visible, 1, hidden)
+        hidden = torch.cat([hidden, torch.zeros(1, dtype=torch.bool)])
+    cold = llm.generate(RAGPrompt(S, C, Q), params, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == want
+    warm = llm.generate(RAGPrompt(S, C, Q), params, use_tqdm=False)[0]
+    assert warm.metrics.num_chunk_hits == 2 and warm.outputs[0].token_ids == want
+    plain = llm.generate(RAGPrompt(S, C, Q), GREEDY, use_tqdm=False)[0]
+    assert plain.outputs[0].token_ids != want  # the penalties acted
+    llm.check_integrity()
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    llm = LLM("builtin:tiny")
+    prompt = "The garden is green and"
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    forced = llm.generate(prompt, GREEDY.clone(logit_bias={77: 100.0}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert forced == [77] * GREEDY.max_tokens
+    banned = llm.generate(prompt, GREEDY.clone(logit_bias={plain[0]: -100.0}),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    assert banned[0] != plain[0]
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(presence_penalty=2.5), "presence_penalty must be a number in [-2, 2]"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a number > 0"),
+    (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias token id"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias token id"),
+    (dict(logit_bias={5: 101.0}), "[-100, 100]"),
+])
+def test_bad_values_are_clear_errors(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused_and_loses_nothing():
+    llm = LLM("builtin:tiny")
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias names token {vocab}, outside"):
+        llm.generate(["a", "b"], SamplingParams(logit_bias={vocab: 1.0}), use_tqdm=False)
+    llm.check_integrity()
+    assert llm.generate("a", SamplingParams(max_tokens=2, logit_bias={vocab - 1: 1.0}),
+                        use_tqdm=False)[0].outputs[0].token_ids
