@@ -18,6 +18,7 @@ import inspect
 import statistics
 import sys
 import time
+from collections import Counter
 from functools import partial
 
 import torch
@@ -75,7 +76,7 @@ def main() -> None:
                 if params[0].has_penalties:
                     gen = torch.Generator().manual_seed(0)
                     history = [TokenHistory(
-                        torch.randint(vocab, (256,), generator=gen).tolist(),
+                        Counter(torch.randint(vocab, (256,), generator=gen).tolist()),
                         torch.randint(vocab, (4288,), generator=gen).to(args.device))
                         for _ in range(batch)]
                 ours = timed(partial(sample, logits, params, *keys, history), args.device,

@@ -103,13 +103,15 @@ def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling import SamplingParams
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    # Before the model loads: a bad sampling value is reported at once.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sampling_seed, ignore_eos=args.ignore_eos,
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
-                            repetition_penalty=args.repetition_penalty)
+                            repetition_penalty=args.repetition_penalty,
+                            min_tokens=args.min_tokens)
+    llm = LLM(args.model, **engine_kwargs(args))
     outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for out in outputs:
         completion = out.outputs[0]
@@ -354,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--min-tokens", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +12,11 @@ from .host_ints import int64_tensor
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
+# Most logit_bias entries a request may give (OpenAI's limit); each costs host work per step.
+MAX_LOGIT_BIAS = 300
+# repetition_penalty range: beyond it a float32 logit divided or multiplied by the penalty can
+# reach 0 or infinity (NaN after softmax); useful values are near 1.
+REPETITION_PENALTY_RANGE = (1e-3, 1e3)
 
 
 @dataclass(slots=True)
@@ -38,6 +43,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's: no stop token can be sampled, and no stop token or string ends the sample,
+    # before this many tokens.
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -73,13 +81,21 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a number > 0 (1: none), got "
-                             f"{self.repetition_penalty!r}")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} exceeds max_tokens="
+                             f"{self.max_tokens}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] "
+                             f"(1: none), got {self.repetition_penalty!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id to bias, got "
                                  f"{self.logit_bias!r}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                 f"{MAX_LOGIT_BIAS}")
             for token, bias in self.logit_bias.items():
                 _check_int("logit_bias token id", token, minimum=0)
                 if not _is_number(bias) or not -100.0 <= bias <= 100.0:
@@ -92,9 +108,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether the logits are changed before sampling (penalties or logit_bias)."""
+        """Whether the logits are changed before sampling (penalties, logit_bias or
+        min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias)
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__slots__}
@@ -188,18 +205,23 @@ def to_uniform_(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class TokenHistory:
-    """What a row's penalties read: its sequence's generated tokens, and its prompt's token
-    ids on the logits' device (None unless it asks for a repetition penalty)."""
+    """What a row's penalties read: how often its sequence has generated each token (the
+    engine keeps the counts as tokens are appended), its prompt's token ids on the logits'
+    device (None unless it asks for a repetition penalty; repeats are harmless), and the
+    tokens it may not sample now (its stop tokens, before min_tokens)."""
 
-    output: list[int]
+    counts: Mapping[int, int]
     prompt: torch.Tensor | None = None
+    banned: Sequence[int] = ()
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
-                    history: list[TokenHistory | None]) -> torch.Tensor:
+                    history: list[TokenHistory | None] | None) -> torch.Tensor:
     """`logits` [B, V] (float32) after each row's logit_bias, then its repetition, frequency
-    and presence penalties, in vLLM's order and with its formulas; rows that ask for none are
-    unchanged. A new tensor when any row asks (the raw logits stay for logprobs).
+    and presence penalties, in vLLM's order and with its formulas, and its banned tokens at
+    -inf (min_tokens); rows that ask for none are
+    unchanged. A new tensor when any row asks (the raw logits stay for logprobs). A row
+    without a history has generated nothing; a repetition penalty needs its prompt.
 
     Every penalty touches only the tokens a row has seen, so each is a gather or scatter at
     (row, token) pairs, not a pass over [B, V]: the generated tokens' pairs and counts are
@@ -208,38 +230,43 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     rows = [i for i, p in enumerate(params) if p.has_penalties]
     if not rows:
         return logits
+    history = history or [None] * len(params)
     device = logits.device
     bias = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
-    # Each row's distinct generated tokens and how often each occurs (Counter counts in C).
+    # Each row's distinct generated tokens and how often each occurs.
     seen_rows_host: list[int] = []
     seen_ids_host: list[int] = []
     seen_counts_host: list[int] = []
     repeat_seen: list[int] = []  # which of those pairs are in rows with a repetition penalty
     for i in rows:
-        counts = Counter(history[i].output)
+        counts = history[i].counts if history[i] is not None else {}
         if params[i].repetition_penalty != 1.0:
             repeat_seen += range(len(seen_ids_host), len(seen_ids_host) + len(counts))
         seen_rows_host += [i] * len(counts)
         seen_ids_host += counts.keys()
         seen_counts_host += counts.values()
     repeat = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if any(history[i] is None or history[i].prompt is None for i in repeat):
+        raise ValueError("a row with a repetition penalty needs its prompt's token ids")
     prompts = [history[i].prompt for i in repeat]
+    banned = [i * logits.shape[1] + t for i in rows if history[i] is not None
+              for t in history[i].banned]
     # Ints in one transfer, floats in another (non-blocking: a blocking copy to a GPU waits
     # for the step's forward to finish).
     ints = int64_tensor([i for i, _, _ in bias] + [t for _, t, _ in bias] + seen_rows_host
                         + seen_ids_host + repeat + [ids.numel() for ids in prompts]
-                        + repeat_seen).to(device, non_blocking=True)
+                        + repeat_seen + banned).to(device, non_blocking=True)
     floats = torch.tensor([b for _, _, b in bias] + seen_counts_host
                           + [p.repetition_penalty for p in params]
                           + [p.frequency_penalty for p in params]
                           + [p.presence_penalty for p in params],
                           dtype=torch.float32).to(device, non_blocking=True)
     nb, ns, nr, batch = len(bias), len(seen_ids_host), len(repeat), len(params)
-    bias_rows, bias_ids, seen_rows, seen_ids, rep_rows, rep_lens, rep_seen = ints.split(
-        [nb, nb, ns, ns, nr, nr, len(repeat_seen)])
+    bias_rows, bias_ids, seen_rows, seen_ids, rep_rows, rep_lens, rep_seen, ban = ints.split(
+        [nb, nb, ns, ns, nr, nr, len(repeat_seen), len(banned)])
     bias_values, seen_counts, repetition, frequency, presence = floats.split(
         [nb, ns, batch, batch, batch])
-    out = logits.clone()
+    out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     flat = out.view(-1)  # (row, token) pairs as flat indices: 1-D gathers are the cheap kind
     vocab = out.shape[1]
     if bias:
@@ -258,6 +285,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         flat[pairs] = torch.where(values > 0, values / factor, values * factor)
     if ns:
         flat.index_add_(0, seen_flat, -(frequency[seen_rows] * seen_counts + presence[seen_rows]))
+    if banned:
+        flat.index_fill_(0, ban, float("-inf"))
     return out
 
 
@@ -273,8 +302,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     at the end.
     """
     raw = logits = logits.float()
-    if history is not None:
-        logits = apply_penalties(logits, params, history)
+    logits = apply_penalties(logits, params, history)
     batch = logits.shape[0]
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]

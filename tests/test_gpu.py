@@ -169,6 +169,8 @@ def test_graphs_write_only_memory_they_own(checkpoint):
 def test_penalties_on_cuda_equal_cpu_and_never_sync():
     """apply_penalties on the GPU: the CPU's result, with no host sync (sync debug mode
     raises on one)."""
+    from collections import Counter
+
     from ragkv.sampling import TokenHistory, apply_penalties
 
     gen = torch.Generator().manual_seed(0)
@@ -178,9 +180,10 @@ def test_penalties_on_cuda_equal_cpu_and_never_sync():
               SamplingParams(presence_penalty=1.0)] * 2
     outputs = [torch.randint(1000, (n,), generator=gen).tolist() for n in (50, 0, 9) * 2]
     prompts = [torch.randint(1000, (n,), generator=gen) for n in (300, 1, 40) * 2]
-    want = apply_penalties(logits, params, [TokenHistory(o, p) for o, p in
-                                            zip(outputs, prompts, strict=True)])
-    history = [TokenHistory(o, p.cuda()) for o, p in zip(outputs, prompts, strict=True)]
+    counts = [Counter(o) for o in outputs]
+    want = apply_penalties(logits, params, [TokenHistory(c, p) for c, p in
+                                            zip(counts, prompts, strict=True)])
+    history = [TokenHistory(c, p.cuda()) for c, p in zip(counts, prompts, strict=True)]
     cuda_logits = logits.cuda()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -5,6 +5,8 @@ included), and bad values as clear errors."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from conftest import random_prompt
@@ -45,7 +47,8 @@ def test_penalties_on_hand_made_logits_equal_the_definitions():
               SamplingParams(logit_bias={0: 1.25})]
     prompts = [[1, 2, 2, 5], [1], [7, 8], [3, 4, 4, 9, 30], [6]]
     outputs = [[5, 6, 6], [2, 2], [8, 8, 8, 11], [4, 12, 12, 39], []]
-    history = [TokenHistory(o, torch.tensor(p)) for p, o in zip(prompts, outputs, strict=True)]
+    history = [TokenHistory(Counter(o), torch.tensor(p))
+               for p, o in zip(prompts, outputs, strict=True)]
     history[1] = None  # rows without penalties need none
     got = apply_penalties(logits, params, history)
     for i, p in enumerate(params):
@@ -54,13 +57,26 @@ def test_penalties_on_hand_made_logits_equal_the_definitions():
     assert torch.equal(got[1], logits[1])
     # Nothing to do: the same tensor back.
     assert apply_penalties(logits, [SamplingParams()] * 5, [None] * 5) is logits
+    # bf16 and non-contiguous logits give the float32 result of the same values.
+    half = logits.bfloat16()
+    torch.testing.assert_close(apply_penalties(half, params, history),
+                               apply_penalties(half.float(), params, history))
+    wide = logits.t().contiguous().t()
+    assert not wide.is_contiguous()
+    torch.testing.assert_close(apply_penalties(wide, params, history), got)
+    # A row without a history has generated nothing: a bias alone needs none, a repetition
+    # penalty needs the prompt.
+    only_bias = apply_penalties(logits, [SamplingParams(logit_bias={2: 5.0})] * 5, None)
+    torch.testing.assert_close(only_bias[:, 2], logits[:, 2] + 5.0)
+    with pytest.raises(ValueError, match="needs its prompt"):
+        apply_penalties(logits, params, None)
 
 
 def test_greedy_follows_the_penalized_logits_and_logprobs_stay_raw():
     logits = torch.tensor([[0.0, 4.0, 3.0, -1.0], [0.0, 4.0, 3.0, -1.0]])
     params = [SamplingParams(temperature=0.0, logprobs=2),
               SamplingParams(temperature=0.0, logprobs=2, presence_penalty=1.5)]
-    history = [None, TokenHistory([1])]
+    history = [None, TokenHistory({1: 1})]
     out = sample(logits, params, [0, 0], [1, 1], history)
     assert out.token_ids == [1, 2]  # token 1 already generated: 4 - 1.5 < 3
     raw = torch.log_softmax(logits[0], dim=-1)
@@ -147,8 +163,11 @@ def test_logit_bias_forces_and_bans_tokens():
 @pytest.mark.parametrize("kwargs,fragment", [
     (dict(presence_penalty=2.5), "presence_penalty must be a number in [-2, 2]"),
     (dict(frequency_penalty=float("nan")), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be a number > 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a number in [0.001, 1000]"),
+    (dict(repetition_penalty=1e-40), "repetition_penalty"),
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
     (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(logit_bias={t: 1.0 for t in range(301)}), "logit_bias has 301 entries; at most 300"),
     (dict(logit_bias=[1, 2]), "logit_bias must be a dict"),
     (dict(logit_bias={-1: 1.0}), "logit_bias token id"),
     (dict(logit_bias={"5": 1.0}), "logit_bias token id"),
@@ -167,3 +186,29 @@ def test_logit_bias_outside_the_vocabulary_is_refused_and_loses_nothing():
     llm.check_integrity()
     assert llm.generate("a", SamplingParams(max_tokens=2, logit_bias={vocab - 1: 1.0}),
                         use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_min_tokens_holds_back_stop_tokens_and_strings():
+    llm = LLM("builtin:tiny")
+    eos = llm.engine.tokenizer.eos_token_id
+    prompt = "The garden is green and"
+    # EOS pushed to the top: it ends the sample at once, unless min_tokens bans it.
+    eager = SamplingParams(max_tokens=20, temperature=0.0, logit_bias={eos: 100.0})
+    out = llm.generate(prompt, eager, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    out = llm.generate(prompt, eager.clone(min_tokens=5, logprobs=1),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 6 and eos not in out.token_ids[:5]
+    assert out.token_ids[5] == eos and out.finish_reason == "stop"
+    # Logprobs stay raw (no bias, no ban): the first token's top one is plain greedy's.
+    plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
+    assert next(iter(out.logprobs[0])) == plain.token_ids[0]
+    # A stop string completed before min_tokens does not end the sample.
+    first = llm.engine.tokenizer.decode(plain.token_ids[:1])
+    stop = GREEDY.clone(stop=[first])
+    assert llm.generate(prompt, stop, use_tqdm=False)[0].outputs[0].token_ids == plain.token_ids[:1]
+    late = llm.generate(prompt, stop.clone(min_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) > 1 and late.token_ids[:4] == plain.token_ids[:4]
+    with pytest.raises(ValueError, match="min_tokens=5 exceeds max_tokens=4"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    llm.check_integrity()

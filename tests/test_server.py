@@ -85,6 +85,16 @@ def test_penalties_and_logit_bias_equal_offline_engine(client, offline):
     assert forced.choices[0].message.content == offline.engine.tokenizer.decode([77] * 3)
 
 
+def test_unsupported_fields_in_their_harmless_forms_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        response_format={"type": "text"}, tool_choice="none",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert r.choices[0].finish_reason in ("length", "stop")
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2, best_of=2)
+    assert len(r.choices) == 2
+
+
 def test_streaming_equals_non_streaming(client):
     for kwargs in ({"prompt": DOCS_PROMPT}, {"prompt": "Plain text prompt"}):
         full = client.completions.create(model=MODEL, max_tokens=12, temperature=0, **kwargs)
@@ -257,6 +267,15 @@ def test_api_key_enforced(server):
       "logit_bias": {"x": 1}}, 400, "logit_bias keys must be token ids"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 200}}, 400, "[-100, 100]"),
     ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "token ids"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"7": 1, "007": -1}}, 400, "twice"),
+    ({"model": MODEL, "prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     "structured"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ({"model": MODEL, "prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "q"}],
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "function calling"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, status, fragment):
     chat = isinstance(body, dict) and "messages" in body

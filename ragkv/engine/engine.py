@@ -528,15 +528,21 @@ class Engine:
         return outputs
 
     def _history(self, req: Request) -> TokenHistory:
-        """What a request's penalties read; its prompt's distinct ids go to the device
-        once."""
+        """What a request's penalties read; its prompt's distinct ids go to the device once
+        for all of a parent's samples (non-blocking: the step's forward is still running)."""
         prompt = None
         if req.params.repetition_penalty != 1.0:
             if req.prompt_ids_on_device is None:
-                distinct = list(set(req.prompt_token_ids))
-                req.prompt_ids_on_device = int64_tensor(distinct).to(self.device)
+                siblings = self._parents.get(req.parent_id, ())
+                shared = next((s.prompt_ids_on_device for s in siblings
+                               if s.prompt_ids_on_device is not None), None)
+                if shared is None:
+                    shared = int64_tensor(list(set(req.prompt_token_ids))).to(
+                        self.device, non_blocking=True)
+                req.prompt_ids_on_device = shared
             prompt = req.prompt_ids_on_device
-        return TokenHistory(req.output_token_ids, prompt)
+        early = req.num_output_tokens < req.params.min_tokens
+        return TokenHistory(req.output_counts, prompt, tuple(req.stop_ids) if early else ())
 
     @staticmethod
     def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
@@ -563,6 +569,8 @@ class Engine:
     def _append_token(self, req: Request, token: int, logprob: float | None,
                       top: tuple[list[int], list[float], int] | None, now: float) -> None:
         req.token_ids.append(token)
+        if req.output_counts is not None:
+            req.output_counts[token] = req.output_counts.get(token, 0) + 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
@@ -575,12 +583,19 @@ class Engine:
             req.logprobs.append(entry)
             req.cumulative_logprob += logprob
         status = None
-        if token in req.stop_ids:
+        if req.num_output_tokens < req.params.min_tokens:
+            # vLLM: nothing stops a sample before min_tokens (its stop tokens were not
+            # sampled; a stop string ending in this text never counts). The text stays
+            # current so a later search sees only what later tokens add.
+            if req.params.stop:
+                req.detokenizer.update(req.token_ids)
+        elif token in req.stop_ids:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = token if token in req.params.stop_token_ids else None
         elif req.params.stop and self._hit_stop_string(req):
             status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if status is None and (req.num_output_tokens >= req.max_tokens
+                               or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._finish(req, status)

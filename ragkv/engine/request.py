@@ -177,7 +177,10 @@ class Request:
     recompute: RecomputeSpec | None = None
     selected: tuple[int, ...] | None = None
     num_recomputed: int = 0
-    # The prompt's distinct token ids on the device, sent once for a repetition penalty.
+    # Penalties (sampling.py): how often each token has been generated, counted as tokens
+    # are appended (None without penalties), and the prompt's distinct token ids on the
+    # device for a repetition penalty, sent once.
+    output_counts: dict[int, int] | None = None
     prompt_ids_on_device: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -186,6 +189,10 @@ class Request:
         if self.params.logprobs is not None:
             self.logprobs = []
             self.cumulative_logprob = 0.0
+        if self.params.has_penalties:
+            self.output_counts = {}
+            for token in self.output_token_ids:
+                self.output_counts[token] = self.output_counts.get(token, 0) + 1
         self.bindings = [None] * len(self.chunks)
         self.chunk_keys = [None] * len(self.chunks)
 

@@ -4,7 +4,7 @@ OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,6 +64,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
     # OpenAI's form: token ids as JSON object keys (strings).
     logit_bias: dict[str, float] | None = None
     stream: bool | None = None
@@ -77,12 +78,36 @@ class _SamplingFields(BaseModel):
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     recompute_sink_tokens: int | None = Field(default=None, ge=0)
     user: str | None = None
+    # Known fields of features ragkv does not have: refused (400) rather than ignored, since
+    # ignoring them would return something other than what the client asked for.
+    response_format: dict | None = None
+    best_of: int | None = None
+    # vLLM's guided decoding fields.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def layout(self) -> dict:
         """The prompt keys of the RAG options (prompt.RAG_OPTIONS) that were given."""
         return {k: getattr(self, k) for k in RAG_OPTIONS if getattr(self, k) is not None}
 
+    def _refuse_unsupported(self) -> None:
+        kind = (self.response_format or {}).get("type")
+        guided = [name for name in ("guided_json", "guided_regex", "guided_choice",
+                                    "guided_grammar", "structured_outputs")
+                  if getattr(self, name) is not None]
+        if kind not in (None, "text") or guided:
+            what = f"response_format {kind!r}" if kind not in (None, "text") else guided[0]
+            raise ErrorResponse(400, f"{what} is not supported: ragkv has no structured "
+                                     "(guided) decoding, so the output would not follow the "
+                                     "format", param=what.split()[0])
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ErrorResponse(400, "best_of is not supported (use n)", param="best_of")
+
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._refuse_unsupported()
         return SamplingParams(
             n=1 if self.n is None else self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -97,6 +122,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=(1.0 if self.repetition_penalty is None
                                 else self.repetition_penalty),
             logit_bias=self._logit_bias(),
+            min_tokens=self.min_tokens or 0,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -104,8 +130,12 @@ class _SamplingFields(BaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isascii() or not key.isdigit():
-                raise ErrorResponse(400, f"logit_bias keys must be token ids, got {key!r}",
+            # Digits only (no sign, space or other scripts' digits); 18 of them fit int64.
+            if not key.isascii() or not key.isdigit() or len(key) > 18:
+                raise ErrorResponse(400, f"logit_bias keys must be token ids, got {key[:40]!r}",
+                                    param="logit_bias")
+            if int(key) in bias:
+                raise ErrorResponse(400, f"logit_bias names token {int(key)} twice",
                                     param="logit_bias")
             bias[int(key)] = value
         return bias
@@ -153,8 +183,16 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     documents: list[str] | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     def sampling_params(self) -> SamplingParams:
+        # Tools are not rendered into the prompt and calls are not parsed; tool_choice "none"
+        # (or tools absent) asks for neither.
+        if self.tool_choice not in (None, "none", "auto") or (
+                self.tools and self.tool_choice != "none"):
+            raise ErrorResponse(400, "tools (function calling) are not supported; "
+                                     "tool_choice \"none\" is", param="tools")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         if self.top_logprobs is not None and not self.logprobs:
