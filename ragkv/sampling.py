@@ -203,6 +203,13 @@ def to_uniform_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_right_shift_(9).float().add_(0.5).mul_(1.0 / (1 << 23))
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`, without waiting: a blocking copy to a GPU first
+    waits for everything queued before it (the step's forward), so the host could not queue
+    the sampler's kernels behind it."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True, slots=True)
 class TokenHistory:
     """What a row's penalties read: how often its sequence has generated each token (the
@@ -251,16 +258,14 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     prompts = [history[i].prompt for i in repeat]
     banned = [i * logits.shape[1] + t for i in rows if history[i] is not None
               for t in history[i].banned]
-    # Ints in one transfer, floats in another (non-blocking: a blocking copy to a GPU waits
-    # for the step's forward to finish).
+    # Ints in one transfer, floats in another.
     ints = int64_tensor([i for i, _, _ in bias] + [t for _, t, _ in bias] + seen_rows_host
                         + seen_ids_host + repeat + [ids.numel() for ids in prompts]
                         + repeat_seen + banned).to(device, non_blocking=True)
-    floats = torch.tensor([b for _, _, b in bias] + seen_counts_host
-                          + [p.repetition_penalty for p in params]
-                          + [p.frequency_penalty for p in params]
-                          + [p.presence_penalty for p in params],
-                          dtype=torch.float32).to(device, non_blocking=True)
+    floats = _to_device([b for _, _, b in bias] + seen_counts_host
+                        + [p.repetition_penalty for p in params]
+                        + [p.frequency_penalty for p in params]
+                        + [p.presence_penalty for p in params], torch.float32, device)
     nb, ns, nr, batch = len(bias), len(seen_ids_host), len(repeat), len(params)
     bias_rows, bias_ids, seen_rows, seen_ids, rep_rows, rep_lens, rep_seen, ban = ints.split(
         [nb, nb, ns, ns, nr, nr, len(repeat_seen), len(banned)])
@@ -309,7 +314,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     if len(random_rows) == batch:
         token_ids = _sample_rows(logits, params, seeds, steps)
     elif random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
+        rows = _to_device(random_rows, torch.int64, logits.device)
         token_ids[rows] = _sample_rows(logits[rows], [params[i] for i in random_rows],
                                        [seeds[i] for i in random_rows],
                                        [steps[i] for i in random_rows])
@@ -318,7 +323,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         return SampleResult(token_ids.tolist(), [None] * batch, [None] * batch)
     # Logprobs: the sampled token's, its rank and the top k, packed with the token ids into
     # one float64 tensor (ids and ranks are exact there) for a single transfer.
-    rows = torch.tensor(want, device=logits.device)
+    rows = _to_device(want, torch.int64, logits.device)
     logp = torch.log_softmax(raw[rows], dim=-1)
     picked = token_ids[rows]
     picked_logp = logp.gather(1, picked[:, None])
@@ -348,14 +353,14 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     device = logits.device
     vocab = logits.shape[-1]
     # One host-to-device transfer for the per-row settings.
-    settings = torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
-                             [p.min_p for p in params]], dtype=torch.float32).to(device)
+    settings = _to_device([[p.temperature for p in params], [p.top_p for p in params],
+                           [p.min_p for p in params]], torch.float32, device)
     temps, top_p, min_p = settings[0], settings[1], settings[2]
     logits = logits / temps[:, None]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_k) < vocab:
         k_max = max(top_k)
-        k_tensor = torch.tensor(top_k, device=device)
+        k_tensor = _to_device(top_k, torch.int64, device)
         # The k-th largest of each row; topk of the largest k asked is cheaper than a sort.
         best = logits.topk(k_max, dim=-1).values
         kth = best.gather(1, (k_tensor - 1)[:, None])
@@ -373,7 +378,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], seeds: list
     if any(p.min_p > 0 for p in params):
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         probs = probs.masked_fill(probs < threshold, 0.0)
-    keys = torch.tensor([seeds, steps], dtype=torch.int64).to(device)
+    keys = _to_device([seeds, steps], torch.int64, device)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p exactly (no
     # renormalisation needed: it does not change the argmax).
     exponential = uniform_noise(keys[0], keys[1], vocab).log_().neg_()

@@ -192,3 +192,37 @@ def test_penalties_on_cuda_equal_cpu_and_never_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)
+
+
+def test_sampler_waits_for_the_device_once():
+    """A step's sampling (greedy, sampled with truncations, penalties, logprobs) on CUDA:
+    the tokens of the CPU's run, and one wait for the device, the final transfer."""
+    import warnings
+    from collections import Counter
+
+    from ragkv.sampling import TokenHistory, sample
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 3000, generator=gen) * 3
+    params = [SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=0.9, top_k=40, top_p=0.8, min_p=0.01, seed=5),
+              SamplingParams(temperature=0.0, repetition_penalty=1.4, presence_penalty=0.5,
+                             logit_bias={7: 1.0}, min_tokens=2),
+              SamplingParams(temperature=0.7, frequency_penalty=0.3, seed=9, logprobs=1)]
+    prompt = torch.randint(3000, (200,), generator=gen)
+    counts = [Counter(torch.randint(3000, (n,), generator=gen).tolist()) for n in (0, 3, 1, 40)]
+    history = [TokenHistory(c, prompt, (0,)) for c in counts]
+    want = sample(logits, params, [1, 2, 3, 4], [0, 3, 1, 40], history)
+    cuda_history = [TokenHistory(c, prompt.cuda(), (0,)) for c in counts]
+    cuda_logits = logits.cuda()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            got = sample(cuda_logits, params, [1, 2, 3, 4], [0, 3, 1, 40], cuda_history)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert got.token_ids == want.token_ids
