@@ -170,8 +170,24 @@ def test_cached_tokens_and_chunk_hit_metrics(server, client):
                  "ragkv:prefix_cache_hits_total", "ragkv:chunk_cache_usage_perc",
                  "ragkv:kv_cache_usage_perc", "ragkv:num_requests_running",
                  "ragkv:num_requests_waiting", "ragkv:time_to_first_token_seconds_bucket",
-                 "ragkv:inter_token_latency_seconds_bucket"):
+                 "ragkv:inter_token_latency_seconds_bucket", "ragkv:num_preemptions_total"):
         assert name in text
+    # Finished requests: by finish reason, end-to-end latency and time in the queue.
+    def total(pattern: str) -> float:
+        found = re.findall(rf"^{pattern} (\S+)$", httpx.get(f"{server}/metrics").text, re.M)
+        assert found, pattern
+        return float(found[0])
+
+    length = r'ragkv:request_success_total\{[^}]*finished_reason="length"[^}]*\}'
+    done, e2e = total(length), total(r"ragkv:e2e_request_latency_seconds_count\{[^}]*\}")
+    client.completions.create(model=MODEL, prompt="count me", max_tokens=2, temperature=0,
+                              extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10  # the engine thread updates metrics after delivering
+    while total(length) < done + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert total(length) == done + 1
+    assert total(r"ragkv:e2e_request_latency_seconds_count\{[^}]*\}") == e2e + 1
+    assert total(r"ragkv:request_queue_time_seconds_count\{[^}]*\}") >= e2e + 1
     integrity(server)
 
 

@@ -19,6 +19,9 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                 0.75, 1.0, 2.5, 5.0)
+# Whole requests (vLLM's buckets for end-to-end latency and time in the queue).
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class Metrics:
@@ -74,6 +77,21 @@ class Metrics:
         self.itl = Histogram("ragkv:inter_token_latency_seconds", "Time between output tokens.",
                              labels, buckets=_ITL_BUCKETS,
                              registry=self.registry).labels(model_name)
+        self.e2e = Histogram("ragkv:e2e_request_latency_seconds",
+                             "Arrival to last token of finished requests.", labels,
+                             buckets=_REQUEST_BUCKETS, registry=self.registry).labels(model_name)
+        self.queue_time = Histogram("ragkv:request_queue_time_seconds",
+                                    "Arrival to first scheduling of finished requests.", labels,
+                                    buckets=_REQUEST_BUCKETS,
+                                    registry=self.registry).labels(model_name)
+        self.preemptions = counter("ragkv:num_preemptions",
+                                   "Preemptions of finished requests (KV freed, recomputed "
+                                   "later).")
+        self._success = Counter("ragkv:request_success",
+                                "Finished completions by finish reason (stop, length, error; "
+                                "aborted ones are not counted).",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._model_name = model_name
         self._totals: dict[str, float] = {}
         # (request id, completion index) -> (tokens seen, time of the last one)
         self._progress: dict[tuple[str, int], tuple[int, float]] = {}
@@ -120,8 +138,17 @@ class Metrics:
                             self.itl.observe((now - last) / new)
                 if out.finished:
                     self._progress.pop(key, None)
+                    self._success.labels(self._model_name, completion.finish_reason).inc()
                 else:
                     self._progress[key] = (len(completion.token_ids), now)
+            if out.finished:
+                m = out.metrics
+                if m.e2e_latency is not None:
+                    self.e2e.observe(m.e2e_latency)
+                if m.time_in_queue is not None:
+                    self.queue_time.observe(m.time_in_queue)
+                if m.num_preemptions:
+                    self.preemptions.inc(m.num_preemptions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
