@@ -36,7 +36,8 @@ on_device() {
 
 case "${1:-}" in
 wheels)
-    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    exclude=$(git rev-parse --git-path info/exclude)  # .git is a file in a worktree
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
     rm -rf .whl && mkdir -p .whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -24,3 +24,13 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(bytearray(int64_bytes(values)), dtype=torch.int64)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without the host waiting: a blocking copy to a GPU first
+    waits for all the work queued before it (a step's forward), and an asynchronous one from
+    pageable memory may too, so the copy goes through pinned memory (whose block the caching
+    host allocator keeps until the copy is done)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_ints import int64_tensor
+from .host_ints import int64_tensor, to_device
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -107,11 +107,21 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
-    def has_penalties(self) -> bool:
-        """Whether the logits are changed before sampling (penalties, logit_bias or
-        min_tokens)."""
+    def counts_tokens(self) -> bool:
+        """Whether a penalty reads the generated tokens (presence, frequency, repetition)."""
         return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens)
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether every step's logits are changed before sampling (penalties, bias)."""
+        return self.counts_tokens or bool(self.logit_bias)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler needs the row's TokenHistory (penalties, logit_bias or
+        min_tokens)."""
+        return self.changes_logits or bool(self.min_tokens)
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__slots__}
@@ -204,10 +214,9 @@ def to_uniform_(x: torch.Tensor) -> torch.Tensor:
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on `device`, without waiting: a blocking copy to a GPU first
-    waits for everything queued before it (the step's forward), so the host could not queue
-    the sampler's kernels behind it."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    """A host list as a tensor on `device`, without waiting for the step's forward
+    (host_ints.to_device), so the host queues the sampler's kernels behind it."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,11 +243,13 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     (row, token) pairs, not a pass over [B, V]: the generated tokens' pairs and counts are
     built on the host (one transfer with the rest), the prompts are already on the device,
     and nothing waits for the device."""
-    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    history = history or [None] * len(params)
+    # A min_tokens row past its minimum has nothing to ban: it costs nothing here.
+    rows = [i for i, p in enumerate(params) if p.changes_logits
+            or (history[i] is not None and history[i].banned)]
     if not rows:
         return logits
-    history = history or [None] * len(params)
-    device = logits.device
+    device, vocab = logits.device, logits.shape[1]
     bias = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
     # Each row's distinct generated tokens and how often each occurs.
     seen_rows_host: list[int] = []
@@ -256,12 +267,14 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     if any(history[i] is None or history[i].prompt is None for i in repeat):
         raise ValueError("a row with a repetition penalty needs its prompt's token ids")
     prompts = [history[i].prompt for i in repeat]
-    banned = [i * logits.shape[1] + t for i in rows if history[i] is not None
-              for t in history[i].banned]
+    # Ids past the logits (a checkpoint's EOS beyond its LM head) cannot be sampled anyway.
+    banned = [i * vocab + t for i in rows if history[i] is not None
+              for t in history[i].banned if t < vocab]
     # Ints in one transfer, floats in another.
     ints = int64_tensor([i for i, _, _ in bias] + [t for _, t, _ in bias] + seen_rows_host
                         + seen_ids_host + repeat + [ids.numel() for ids in prompts]
-                        + repeat_seen + banned).to(device, non_blocking=True)
+                        + repeat_seen + banned)
+    ints = to_device(ints, device)
     floats = _to_device([b for _, _, b in bias] + seen_counts_host
                         + [p.repetition_penalty for p in params]
                         + [p.frequency_penalty for p in params]
@@ -273,7 +286,6 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         [nb, ns, batch, batch, batch])
     out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     flat = out.view(-1)  # (row, token) pairs as flat indices: 1-D gathers are the cheap kind
-    vocab = out.shape[1]
     if bias:
         flat.index_add_(0, bias_rows * vocab + bias_ids, bias_values)
     seen_flat = seen_rows * vocab + seen_ids
@@ -301,8 +313,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     """Sample one token per row of `logits` [B, V] (float32).
 
     Row i draws from the counter-based stream of `seeds[i]` at position `steps[i]` (how many
-    tokens its sequence has sampled so far). Rows whose params have penalties or a logit bias
-    read `history[i]` (apply_penalties), greedy rows included. Logprobs are of the raw model
+    tokens its sequence has sampled so far). Rows whose params have penalties, a logit bias or
+    min_tokens read `history[i]` (apply_penalties: its counts, prompt and banned stop tokens),
+    greedy rows included. Logprobs are of the raw model
     distribution (vLLM's default). Everything stays on the logits' device until one transfer
     at the end.
     """

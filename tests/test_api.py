@@ -501,3 +501,22 @@ def test_max_tokens_none_runs_to_max_model_len():
     assert len(capped.prompt_token_ids) + len(capped.outputs[0].token_ids) == 40
     assert capped.outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert_idle(llm)
+
+
+def test_request_metrics_of_n_samples_end_with_the_last(llm):
+    """A request with n samples finishes when its last one does: its metrics say so (the
+    server's end-to-end latency and preemption series read them)."""
+    engine = llm.engine
+    rid = engine.add_request("Once upon a time", SamplingParams(n=2, max_tokens=6,
+                                                               ignore_eos=True))
+    children = list(engine._parents[rid])
+    children[0].max_tokens = 2  # sample 0 finishes steps before sample 1
+    children[1].metrics.num_preemptions = 3  # as if the scheduler had preempted it
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.request_id == rid), final)
+    assert [len(o.token_ids) for o in final.outputs] == [2, 6]
+    assert children[0].metrics.finished_time < children[1].metrics.finished_time
+    assert final.metrics.finished_time == children[1].metrics.finished_time
+    assert final.metrics.num_preemptions == 3
+    llm.check_integrity()

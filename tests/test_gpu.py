@@ -196,7 +196,9 @@ def test_penalties_on_cuda_equal_cpu_and_never_sync():
 
 def test_sampler_waits_for_the_device_once():
     """A step's sampling (greedy, sampled with truncations, penalties, logprobs) on CUDA:
-    the tokens of the CPU's run, and one wait for the device, the final transfer."""
+    the tokens of the CPU's run, and one wait for the device that torch reports, the final
+    transfer (a driver stall on a pageable copy would not be reported: the copies go through
+    pinned memory, host_ints.to_device)."""
     import warnings
     from collections import Counter
 
@@ -215,6 +217,7 @@ def test_sampler_waits_for_the_device_once():
     want = sample(logits, params, [1, 2, 3, 4], [0, 3, 1, 40], history)
     cuda_history = [TokenHistory(c, prompt.cuda(), (0,)) for c in counts]
     cuda_logits = logits.cuda()
+    sample(cuda_logits, params, [1, 2, 3, 4], [0, 3, 1, 40], cuda_history)  # pinned blocks
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -200,15 +200,52 @@ def test_min_tokens_holds_back_stop_tokens_and_strings():
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 6 and eos not in out.token_ids[:5]
     assert out.token_ids[5] == eos and out.finish_reason == "stop"
-    # Logprobs stay raw (no bias, no ban): the first token's top one is plain greedy's.
+    # A stop string counts only in text after the first min_tokens tokens (vLLM's rule): one
+    # completed by token k ends the sample at k with min_tokens < k, not with min_tokens >= k.
     plain = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0]
-    assert next(iter(out.logprobs[0])) == plain.token_ids[0]
-    # A stop string completed before min_tokens does not end the sample.
-    first = llm.engine.tokenizer.decode(plain.token_ids[:1])
+    decode = llm.engine.tokenizer.decode
+    first, second = decode(plain.token_ids[:1]), decode(plain.token_ids[1:2])
     stop = GREEDY.clone(stop=[first])
     assert llm.generate(prompt, stop, use_tqdm=False)[0].outputs[0].token_ids == plain.token_ids[:1]
-    late = llm.generate(prompt, stop.clone(min_tokens=4), use_tqdm=False)[0].outputs[0]
-    assert len(late.token_ids) > 1 and late.token_ids[:4] == plain.token_ids[:4]
+    for min_tokens in (1, 4):
+        late = llm.generate(prompt, stop.clone(min_tokens=min_tokens),
+                            use_tqdm=False)[0].outputs[0]
+        assert len(late.token_ids) > 1 and late.token_ids[:4] == plain.token_ids[:4]
+    if first not in second:  # the second token's text ends a sample only past min_tokens=1
+        at_two = llm.generate(prompt, GREEDY.clone(stop=[second], min_tokens=1),
+                              use_tqdm=False)[0].outputs[0]
+        assert at_two.token_ids == plain.token_ids[:2] and at_two.finish_reason == "stop"
     with pytest.raises(ValueError, match="min_tokens=5 exceeds max_tokens=4"):
         SamplingParams(max_tokens=4, min_tokens=5)
+    # Checked again against what max_model_len leaves after the prompt.
+    short = LLM("builtin:tiny", max_model_len=32)
+    with pytest.raises(ValueError, match="min_tokens=40 exceeds the"):
+        short.generate(prompt, SamplingParams(max_tokens=None, min_tokens=40), use_tqdm=False)
+    short.check_integrity()
+    llm.check_integrity()
+
+
+def test_logprobs_stay_raw_under_a_bias():
+    llm = LLM("builtin:tiny")
+    prompt = "The garden is green and"
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    plain = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    top = list(plain.logprobs[0])
+    lifted = top[-1]  # the fifth most likely, pushed to the top by the bias
+    out = llm.generate(prompt, params.clone(logit_bias={lifted: 50.0}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [lifted]
+    assert out.logprobs[0][lifted].logprob == pytest.approx(plain.logprobs[0][lifted].logprob)
+    assert out.logprobs[0][lifted].rank == 5
+    llm.check_integrity()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    """Before the check, one such id with min_tokens banned a token of the next row."""
+    llm = LLM("builtin:tiny")
+    vocab = llm.engine.model_config.vocab_size
+    for bad in (vocab, vocab + 5, 10**12):
+        with pytest.raises(ValueError, match=f"stop_token_ids names token {bad}, outside"):
+            llm.generate("a", SamplingParams(stop_token_ids=[bad], min_tokens=2),
+                         use_tqdm=False)
     llm.check_integrity()

@@ -292,6 +292,11 @@ def test_api_key_enforced(server):
     ({"model": MODEL, "prompt": "hi", "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "q"}],
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "function calling"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "q"}],
+      "tool_choice": "required"}, 400, "tool_choice 'required'"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "q"}],
+      "functions": [{"name": "f"}]}, 400, "functions"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
 ])
 def test_bad_requests_get_4xx_and_server_keeps_serving(server, client, body, status, fragment):
     chat = isinstance(body, dict) and "messages" in body

@@ -26,7 +26,7 @@ from ..config import (
     resolve_dtype,
 )
 from ..detokenizer import IncrementalDetokenizer
-from ..host_ints import int64_tensor
+from ..host_ints import int64_tensor, to_device
 from ..model.attention import get_attention_backend
 from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
@@ -144,7 +144,7 @@ class Engine:
                            f"|format={FORMAT_VERSION}")
         self._check_rope(config.position_strategy, config.chunk_attention)
         if config.recompute != "none":
-            self._check_layers(config.recompute)
+            self._resolve_check_layers(config.recompute)
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, self.max_model_len, self.device)
         self.kv.slot_table = self.slot_table
@@ -213,9 +213,9 @@ class Engine:
         if strategy != "sequential":
             raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
                              f"layout, not with position_strategy={strategy!r}")
-        return RecomputeSpec(method, float(ratio), sink, self._check_layers(method))
+        return RecomputeSpec(method, float(ratio), sink, self._resolve_check_layers(method))
 
-    def _check_layers(self, method: str) -> tuple[int, ...]:
+    def _resolve_check_layers(self, method: str) -> tuple[int, ...]:
         """The check layers `method` probes on this model; a configured layer the model
         does not have is a ValueError."""
         configured, n = self.config.recompute_check_layers, self.model_config.num_layers
@@ -280,6 +280,10 @@ class Engine:
         max_tokens = self.max_model_len - len(token_ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens "
+                             f"this prompt leaves (max_tokens and max_model_len="
+                             f"{self.max_model_len})")
         strategy, attention = self._layout_of(parsed)
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
@@ -422,10 +426,12 @@ class Engine:
         if params.n > self.config.max_n:
             raise ValueError(f"n={params.n} exceeds max_n={self.config.max_n}")
         vocab = self.model_config.vocab_size
-        outside = [t for t in params.logit_bias or () if t >= vocab]
-        if outside:
-            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary "
-                             f"(ids 0 .. {vocab - 1})")
+        for name, ids in (("logit_bias", params.logit_bias or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} names token {outside[0]}, outside the vocabulary "
+                                 f"(ids 0 .. {vocab - 1})")
         if params.logprobs is not None:
             limit = min(self.config.max_logprobs, self.model_config.vocab_size)
             if params.logprobs > limit:
@@ -537,12 +543,13 @@ class Engine:
                 shared = next((s.prompt_ids_on_device for s in siblings
                                if s.prompt_ids_on_device is not None), None)
                 if shared is None:
-                    shared = int64_tensor(list(set(req.prompt_token_ids))).to(
-                        self.device, non_blocking=True)
+                    shared = to_device(int64_tensor(list(set(req.prompt_token_ids))),
+                                       self.device)
                 req.prompt_ids_on_device = shared
             prompt = req.prompt_ids_on_device
         early = req.num_output_tokens < req.params.min_tokens
-        return TokenHistory(req.output_counts, prompt, tuple(req.stop_ids) if early else ())
+        return TokenHistory(req.output_counts or {}, prompt,
+                            tuple(req.stop_ids) if early else ())
 
     @staticmethod
     def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
@@ -583,15 +590,16 @@ class Engine:
             req.logprobs.append(entry)
             req.cumulative_logprob += logprob
         status = None
-        if req.num_output_tokens < req.params.min_tokens:
-            # vLLM: nothing stops a sample before min_tokens (its stop tokens were not
-            # sampled; a stop string ending in this text never counts). The text stays
-            # current so a later search sees only what later tokens add.
-            if req.params.stop:
-                req.detokenizer.update(req.token_ids)
-        elif token in req.stop_ids:
+        # vLLM's min_tokens: a stop token ends a sample from the min_tokens-th token on (none
+        # is sampled before), a stop string only in text after the first min_tokens tokens.
+        # Before that the text stays current, so a later search sees only what later tokens
+        # add.
+        count = req.num_output_tokens
+        if token in req.stop_ids and count >= req.params.min_tokens:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = token if token in req.params.stop_token_ids else None
+        elif req.params.stop and count <= req.params.min_tokens:
+            req.detokenizer.update(req.token_ids)
         elif req.params.stop and self._hit_stop_string(req):
             status = RequestStatus.FINISHED_STOPPED
         if status is None and (req.num_output_tokens >= req.max_tokens
@@ -680,10 +688,17 @@ class Engine:
             for c in children
         ]
         error = next((c.error for c in children if c.error is not None), None)
+        metrics = first.metrics
+        if finished and len(children) > 1:  # the request ends with its last sample
+            metrics = replace(metrics, finished_time=max(c.metrics.finished_time or 0.0
+                                                         for c in children),
+                              last_token_time=max(c.metrics.last_token_time or 0.0
+                                                  for c in children),
+                              num_preemptions=sum(c.metrics.num_preemptions for c in children))
         return RequestOutput(
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=first.metrics, error=error, score_logprobs=self._scores(first),
+            metrics=metrics, error=error, score_logprobs=self._scores(first),
         )
 
     @staticmethod

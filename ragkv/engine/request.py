@@ -189,7 +189,7 @@ class Request:
         if self.params.logprobs is not None:
             self.logprobs = []
             self.cumulative_logprob = 0.0
-        if self.params.has_penalties:
+        if self.params.counts_tokens:
             self.output_counts = {}
             for token in self.output_token_ids:
                 self.output_counts[token] = self.output_counts.get(token, 0) + 1

@@ -78,7 +78,7 @@ class Metrics:
                              labels, buckets=_ITL_BUCKETS,
                              registry=self.registry).labels(model_name)
         self.e2e = Histogram("ragkv:e2e_request_latency_seconds",
-                             "Arrival to last token of finished requests.", labels,
+                             "Arrival to finish of finished requests.", labels,
                              buckets=_REQUEST_BUCKETS, registry=self.registry).labels(model_name)
         self.queue_time = Histogram("ragkv:request_queue_time_seconds",
                                     "Arrival to first scheduling of finished requests.", labels,
@@ -91,6 +91,8 @@ class Metrics:
                                 "Finished completions by finish reason (stop, length, error; "
                                 "aborted ones are not counted).",
                                 labels + ["finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "error"):  # every series exists from the start
+            self._success.labels(model_name, reason)
         self._model_name = model_name
         self._totals: dict[str, float] = {}
         # (request id, completion index) -> (tokens seen, time of the last one)

@@ -185,14 +185,21 @@ class ChatCompletionRequest(_SamplingFields):
     documents: list[str] | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    functions: list | None = None  # OpenAI's legacy function calling
+    function_call: str | dict | None = None
 
     def sampling_params(self) -> SamplingParams:
         # Tools are not rendered into the prompt and calls are not parsed; tool_choice "none"
         # (or tools absent) asks for neither.
-        if self.tool_choice not in (None, "none", "auto") or (
-                self.tools and self.tool_choice != "none"):
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ErrorResponse(400, f"tool_choice {self.tool_choice!r}: function calling is "
+                                     "not supported", param="tool_choice")
+        if self.tools and self.tool_choice != "none":
             raise ErrorResponse(400, "tools (function calling) are not supported; "
                                      "tool_choice \"none\" is", param="tools")
+        if self.functions or self.function_call not in (None, "none"):
+            raise ErrorResponse(400, "functions (function calling) are not supported",
+                                param="functions" if self.functions else "function_call")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         if self.top_logprobs is not None and not self.logprobs:
