@@ -235,9 +235,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
                     history: list[TokenHistory | None] | None) -> torch.Tensor:
     """`logits` [B, V] (float32) after each row's logit_bias, then its repetition, frequency
     and presence penalties, in vLLM's order and with its formulas, and its banned tokens at
-    -inf (min_tokens); rows that ask for none are
-    unchanged. A new tensor when any row asks (the raw logits stay for logprobs). A row
-    without a history has generated nothing; a repetition penalty needs its prompt.
+    -inf (min_tokens); rows that ask for none are unchanged. A new tensor when any row asks
+    (the raw logits stay for logprobs). A row without a history has generated nothing; a
+    repetition penalty needs its prompt.
 
     Every penalty touches only the tokens a row has seen, so each is a gather or scatter at
     (row, token) pairs, not a pass over [B, V]: the generated tokens' pairs and counts are
@@ -315,9 +315,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     Row i draws from the counter-based stream of `seeds[i]` at position `steps[i]` (how many
     tokens its sequence has sampled so far). Rows whose params have penalties, a logit bias or
     min_tokens read `history[i]` (apply_penalties: its counts, prompt and banned stop tokens),
-    greedy rows included. Logprobs are of the raw model
-    distribution (vLLM's default). Everything stays on the logits' device until one transfer
-    at the end.
+    greedy rows included. Logprobs are of the raw model distribution (vLLM's default).
+    Everything stays on the logits' device until one transfer at the end.
     """
     raw = logits = logits.float()
     logits = apply_penalties(logits, params, history)

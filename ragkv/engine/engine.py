@@ -577,7 +577,7 @@ class Engine:
                       top: tuple[list[int], list[float], int] | None, now: float) -> None:
         req.token_ids.append(token)
         if req.output_counts is not None:
-            req.output_counts[token] = req.output_counts.get(token, 0) + 1
+            req.output_counts[token] += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now

@@ -9,6 +9,7 @@ far each chunk's cached keys must be rotated to sit where the request places it 
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -180,7 +181,7 @@ class Request:
     # Penalties (sampling.py): how often each token has been generated, counted as tokens
     # are appended (None without penalties), and the prompt's distinct token ids on the
     # device for a repetition penalty, sent once.
-    output_counts: dict[int, int] | None = None
+    output_counts: Counter[int] | None = None
     prompt_ids_on_device: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -190,9 +191,7 @@ class Request:
             self.logprobs = []
             self.cumulative_logprob = 0.0
         if self.params.counts_tokens:
-            self.output_counts = {}
-            for token in self.output_token_ids:
-                self.output_counts[token] = self.output_counts.get(token, 0) + 1
+            self.output_counts = Counter(self.output_token_ids)
         self.bindings = [None] * len(self.chunks)
         self.chunk_keys = [None] * len(self.chunks)
 

@@ -95,14 +95,14 @@ class _SamplingFields(BaseModel):
 
     def _refuse_unsupported(self) -> None:
         kind = (self.response_format or {}).get("type")
-        guided = [name for name in ("guided_json", "guided_regex", "guided_choice",
+        asked = [f"response_format {kind!r}"] if kind not in (None, "text") else []
+        asked += [name for name in ("guided_json", "guided_regex", "guided_choice",
                                     "guided_grammar", "structured_outputs")
                   if getattr(self, name) is not None]
-        if kind not in (None, "text") or guided:
-            what = f"response_format {kind!r}" if kind not in (None, "text") else guided[0]
-            raise ErrorResponse(400, f"{what} is not supported: ragkv has no structured "
+        if asked:
+            raise ErrorResponse(400, f"{asked[0]} is not supported: ragkv has no structured "
                                      "(guided) decoding, so the output would not follow the "
-                                     "format", param=what.split()[0])
+                                     "format", param=asked[0].split()[0])
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ErrorResponse(400, "best_of is not supported (use n)", param="best_of")
 
@@ -134,10 +134,11 @@ class _SamplingFields(BaseModel):
             if not key.isascii() or not key.isdigit() or len(key) > 18:
                 raise ErrorResponse(400, f"logit_bias keys must be token ids, got {key[:40]!r}",
                                     param="logit_bias")
-            if int(key) in bias:
-                raise ErrorResponse(400, f"logit_bias names token {int(key)} twice",
+            token = int(key)
+            if token in bias:
+                raise ErrorResponse(400, f"logit_bias names token {token} twice",
                                     param="logit_bias")
-            bias[int(key)] = value
+            bias[token] = value
         return bias
 
 
