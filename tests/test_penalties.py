@@ -249,3 +249,21 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused():
             llm.generate("a", SamplingParams(stop_token_ids=[bad], min_tokens=2),
                          use_tqdm=False)
     llm.check_integrity()
+
+
+def test_min_tokens_and_logit_bias_equal_hf_generate(llama):
+    """HF's min_new_tokens and sequence_bias on the same forced end-of-sequence token."""
+    path, hf = llama
+    llm = LLM(path, kv_cache_tokens=1024)
+    eos = llm.engine.tokenizer.eos_token_id
+    prompt = random_prompt(9, seed=21)
+    for min_tokens in (0, 3):
+        params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=min_tokens,
+                                logit_bias={eos: 100.0})
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                           do_sample=False, max_new_tokens=8, min_new_tokens=min_tokens,
+                           sequence_bias={(eos,): 100.0}, eos_token_id=eos,
+                           pad_token_id=eos)[0, len(prompt):]
+        assert out.token_ids == want.tolist() and len(out.token_ids) == min_tokens + 1
+    llm.check_integrity()
