@@ -99,6 +99,25 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k in names}
 
 
+def _structured_outputs(args: argparse.Namespace):
+    from .structured_output import StructuredOutputsParams
+
+    if args.json_schema is not None:
+        schema = args.json_schema
+        if not schema.lstrip().startswith("{"):  # a file
+            try:
+                with open(schema, encoding="utf-8") as f:
+                    schema = f.read()
+            except OSError as e:
+                raise ValueError(f"--json-schema: cannot read {schema!r}: {e.strerror}") from None
+        return StructuredOutputsParams(json=schema)
+    if args.json_object:
+        return StructuredOutputsParams(json_object=True)
+    if args.choice:
+        return StructuredOutputsParams(choice=args.choice)
+    return None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .sampling import SamplingParams
@@ -110,7 +129,8 @@ def _generate(args: argparse.Namespace) -> int:
                             presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty,
                             repetition_penalty=args.repetition_penalty,
-                            min_tokens=args.min_tokens)
+                            min_tokens=args.min_tokens,
+                            structured_outputs=_structured_outputs(args))
     llm = LLM(args.model, **engine_kwargs(args))
     outputs = llm.generate(args.prompt, params, use_tqdm=False)
     for out in outputs:
@@ -358,6 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--min-tokens", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                       help="the output is JSON following this JSON schema (its text, or a "
+                            "file holding it)")
+    shape.add_argument("--json-object", action="store_true",
+                       help="the output is one JSON object or array")
+    shape.add_argument("--choice", action="append", default=None,
+                       help="the output is one of these strings (repeat the flag)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
     return parser

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .host_ints import int64_tensor, to_device
+from .structured_output import StructuredOutputsParams
 
 # Below this temperature sampling is greedy, as in vLLM.
 _GREEDY_EPS = 1e-5
@@ -46,6 +47,9 @@ class SamplingParams:
     # vLLM's: no stop token can be sampled, and no stop token or string ends the sample,
     # before this many tokens.
     min_tokens: int = 0
+    # vLLM's: the output must be JSON following a schema, any JSON object, or one of a list
+    # of strings; each step may only sample tokens that keep it so (structured_output.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -89,6 +93,10 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] "
                              f"(1: none), got {self.repetition_penalty!r}")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id to bias, got "
@@ -119,9 +127,10 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether the sampler needs the row's TokenHistory (penalties, logit_bias or
-        min_tokens)."""
-        return self.changes_logits or bool(self.min_tokens)
+        """Whether the sampler needs the row's TokenHistory (penalties, logit_bias,
+        min_tokens or structured outputs)."""
+        return (self.changes_logits or bool(self.min_tokens)
+                or self.structured_outputs is not None)
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__slots__}
@@ -223,12 +232,16 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
 class TokenHistory:
     """What a row's penalties read: how often its sequence has generated each token (the
     engine keeps the counts as tokens are appended), its prompt's token ids on the logits'
-    device (None unless it asks for a repetition penalty; repeats are harmless), and the
-    tokens it may not sample now (its stop tokens, before min_tokens)."""
+    device (None unless it asks for a repetition penalty; repeats are harmless), the
+    tokens it may not sample now (its stop tokens, before min_tokens), and with structured
+    outputs the only tokens it may sample: a host bool mask (ids past its end are refused)
+    plus `also_allowed` ids (its stop tokens where the output may end)."""
 
     counts: Mapping[int, int]
     prompt: torch.Tensor | None = None
     banned: Sequence[int] = ()
+    allowed: torch.Tensor | None = None
+    also_allowed: Sequence[int] = ()
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
@@ -246,7 +259,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     history = history or [None] * len(params)
     # A min_tokens row past its minimum has nothing to ban: it costs nothing here.
     rows = [i for i, p in enumerate(params) if p.changes_logits
-            or (history[i] is not None and history[i].banned)]
+            or (history[i] is not None and (history[i].banned
+                                            or history[i].allowed is not None))]
     if not rows:
         return logits
     device, vocab = logits.device, logits.shape[1]
@@ -304,7 +318,27 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         flat.index_add_(0, seen_flat, -(frequency[seen_rows] * seen_counts + presence[seen_rows]))
     if banned:
         flat.index_fill_(0, ban, float("-inf"))
+    masked = [i for i in rows if history[i] is not None and history[i].allowed is not None]
+    if masked:
+        _mask_rows(out, masked, [history[i] for i in masked])
     return out
+
+
+def _mask_rows(logits: torch.Tensor, rows: list[int], history: list[TokenHistory]) -> None:
+    """Every token outside its row's allowed set to -inf (structured outputs), in place: the
+    rows' masks are stacked on the host and sent in one transfer."""
+    vocab = logits.shape[1]
+    allow = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    for j, h in enumerate(history):
+        n = min(vocab, h.allowed.numel())
+        allow[j, :n] = h.allowed[:n]
+        extra = [t for t in h.also_allowed if t < vocab]
+        if extra:
+            allow[j, extra] = True
+    allow = to_device(allow, logits.device)
+    index = to_device(int64_tensor(rows), logits.device)
+    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allow,
+                                                                           float("-inf")))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

@@ -42,6 +42,7 @@ from ..prompt import (
     split_chat_prompt,
 )
 from ..sampling import SamplingParams, TokenHistory, sample
+from ..structured_output import StructuredOutputs
 from ..token_cache import TokenCache, TokenCacheStats
 from .recompute import RecomputeSpec, check_layers_for
 from .request import PromptLayout, Request, RequestStatus
@@ -135,6 +136,8 @@ class Engine:
                                         config.max_chunk_tokens, config.oversize_chunk,
                                         max_chars)
         # System parts and documents sent as text are tokenized once (token_cache.py).
+        # Grammars of structured outputs; the vocabulary's trie is built on first use.
+        self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.token_cache = (TokenCache(self.tokenizer, config.tokenizer_cache_mb << 20)
                             if config.tokenizer_cache_mb else None)
         # The store's entry format is in the namespace, so in the key: replicas of two versions
@@ -312,6 +315,8 @@ class Engine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
                 num_scored_tokens=score_tokens, recompute=recompute,
+                matcher=(None if params.structured_outputs is None
+                         else self.structured.matcher(params.structured_outputs)),
             ))
         self._parents[request_id] = children
         for child in children:
@@ -548,8 +553,13 @@ class Engine:
                 req.prompt_ids_on_device = shared
             prompt = req.prompt_ids_on_device
         early = req.num_output_tokens < req.params.min_tokens
+        allowed, also = None, ()
+        if req.matcher is not None:
+            # Stop tokens only where the output may end (and min_tokens allows).
+            allowed = req.matcher.mask()
+            also = tuple(req.stop_ids) if req.matcher.accepting and not early else ()
         return TokenHistory(req.output_counts or {}, prompt,
-                            tuple(req.stop_ids) if early else ())
+                            tuple(req.stop_ids) if early else (), allowed, also)
 
     @staticmethod
     def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
@@ -602,6 +612,10 @@ class Engine:
             req.detokenizer.update(req.token_ids)
         elif req.params.stop and self._hit_stop_string(req):
             status = RequestStatus.FINISHED_STOPPED
+        if req.matcher is not None and token not in req.stop_ids:
+            req.matcher.advance(token)
+            if status is None and req.matcher.terminal:
+                status = RequestStatus.FINISHED_STOPPED  # complete: nothing may follow
         if status is None and (req.num_output_tokens >= req.max_tokens
                                or req.num_tokens >= self.max_model_len):
             status = RequestStatus.FINISHED_LENGTH

@@ -22,6 +22,7 @@ from ..outputs import Logprob, RequestMetrics
 from ..sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from ..structured_output import GrammarMatcher
     from .recompute import RecomputeSpec
 
 
@@ -183,6 +184,8 @@ class Request:
     # device for a repetition penalty, sent once.
     output_counts: Counter[int] | None = None
     prompt_ids_on_device: torch.Tensor | None = None
+    # Structured outputs: where this sample is in its grammar (None without one).
+    matcher: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..prompt import RAG_OPTIONS
 from ..sampling import SamplingParams
+from ..structured_output import StructuredOutputsParams
 
 
 class ErrorResponse(Exception):
@@ -78,11 +79,12 @@ class _SamplingFields(BaseModel):
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     recompute_sink_tokens: int | None = Field(default=None, ge=0)
     user: str | None = None
-    # Known fields of features ragkv does not have: refused (400) rather than ignored, since
-    # ignoring them would return something other than what the client asked for.
+    # Structured outputs: OpenAI's response_format (json_object, json_schema) and vLLM's
+    # guided_json, guided_choice and structured_outputs (json, json_object, choice). Regex and
+    # grammar constraints are refused (400), as is best_of other than n: ignoring a field
+    # would return something other than what the client asked for.
     response_format: dict | None = None
     best_of: int | None = None
-    # vLLM's guided decoding fields.
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -94,17 +96,60 @@ class _SamplingFields(BaseModel):
         return {k: getattr(self, k) for k in RAG_OPTIONS if getattr(self, k) is not None}
 
     def _refuse_unsupported(self) -> None:
-        kind = (self.response_format or {}).get("type")
-        asked = [f"response_format {kind!r}"] if kind not in (None, "text") else []
-        asked += [name for name in ("guided_json", "guided_regex", "guided_choice",
-                                    "guided_grammar", "structured_outputs")
-                  if getattr(self, name) is not None]
-        if asked:
-            raise ErrorResponse(400, f"{asked[0]} is not supported: ragkv has no structured "
-                                     "(guided) decoding, so the output would not follow the "
-                                     "format", param=asked[0].split()[0])
+        for name in ("guided_regex", "guided_grammar"):
+            if getattr(self, name) is not None:
+                raise ErrorResponse(400, f"{name} is not supported: ragkv's structured outputs "
+                                         "are JSON (json_object, a JSON schema) and choice",
+                                    param=name)
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise ErrorResponse(400, "best_of is not supported (use n)", param="best_of")
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The output constraint asked for, from whichever field gave one (at most one)."""
+        asked: list[tuple[str, dict]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                asked.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise ErrorResponse(400, "response_format json_schema needs "
+                                             "{'json_schema': {'name': ..., 'schema': {...}}}",
+                                        param="response_format")
+                asked.append(("response_format", {"json": spec["schema"]}))
+            elif kind != "text":
+                raise ErrorResponse(400, f"response_format type {kind!r} is not supported "
+                                         "(text, json_object, json_schema)",
+                                    param="response_format")
+        if self.guided_json is not None:
+            asked.append(("guided_json", {"json": self.guided_json}))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", {"choice": self.guided_choice}))
+        if self.structured_outputs is not None:
+            spec = self.structured_outputs
+            if not isinstance(spec, dict):
+                raise ErrorResponse(400, "structured_outputs must be an object",
+                                    param="structured_outputs")
+            other = [k for k, v in spec.items()
+                     if v not in (None, False) and k not in ("json", "json_object", "choice")]
+            if other:
+                raise ErrorResponse(400, f"structured_outputs {other[0]!r} is not supported "
+                                         "(json, json_object, choice)",
+                                    param="structured_outputs")
+            asked.append(("structured_outputs", {k: spec[k] for k in ("json", "json_object",
+                                                                       "choice") if k in spec}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise ErrorResponse(400, f"{asked[0][0]} and {asked[1][0]} both constrain the "
+                                     "output: give one", param=asked[1][0])
+        field, kwargs = asked[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise ErrorResponse(400, f"{field}: {e}", param=field) from None
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._refuse_unsupported()
@@ -123,6 +168,7 @@ class _SamplingFields(BaseModel):
                                 else self.repetition_penalty),
             logit_bias=self._logit_bias(),
             min_tokens=self.min_tokens or 0,
+            structured_outputs=self._structured_outputs(),
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

@@ -1,0 +1,486 @@
+"""Byte-level automata for structured output: any JSON object or array (JSON mode), JSON
+that follows a JSON schema, or one of a fixed list of strings (choice).
+
+A state is a frozenset of alternatives, each a (stack, whitespace run) pair; a stack is a
+tuple of frames, top last. Alternatives are how the automaton stays deterministic over an
+ambiguous grammar (anyOf, a property name that is a prefix of another, choices that share a
+prefix): a byte advances every alternative and keeps those that survive. States are plain
+hashable tuples, so the token layer (structured_output.py) can intern them and cache one
+vocabulary mask per state.
+
+Frames:
+  ("V", node)                         a value of `node` comes next (whitespace first is fine)
+  ("S", sub)                          inside a string: sub 0 plain, 1 after a backslash,
+                                      10 + k: k hex digits of a \\u escape left,
+                                      20 + k: k UTF-8 continuation bytes left
+  ("L", rest)                         the bytes `rest` must follow exactly
+  ("N", sub, integer)                 inside a number (sub: see _NUMBER)
+  ("O", node, seen, phase, key)       inside an object: phase 0 after "{", 1 after ",",
+                                      2 after a key (`key`, None for a free one), 3 after a value
+  ("A", node, count, phase)           inside an array: phase 0 after "[", 1 after a value,
+                                      2 after ","
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+# Whitespace between JSON tokens: at most 16 bytes in a row, one newline among them, no
+# carriage return, and one space or tab at most before the top-level value (SentencePiece
+# vocabularies spell a word-initial "{" as " {"; the decoded text drops it). Unbounded
+# whitespace lets a model that is unsure how to go on emit newlines until max_tokens (a known
+# failure of JSON modes); this still covers compact JSON, spaces after separators and
+# pretty-printing seven levels deep.
+MAX_WHITESPACE_RUN = 16
+_WHITESPACE = frozenset(b" \t\n")
+_NEWLINE = 100  # added to an alternative's whitespace count once the run has a newline
+_START_RUN = _NEWLINE + MAX_WHITESPACE_RUN - 1  # before the top-level value: one space
+_DIGITS = frozenset(b"0123456789")
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_ESCAPES = frozenset(b'"\\/bfnrt')
+
+# Number sub-states: what was read so far, and which of them may end the number.
+_MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
+_NUMBER_ENDS = frozenset({_ZERO, _INT, _FRAC, _EXP})
+
+# Schema keywords that only annotate: accepted and ignored.
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
+                          "$comment", "readOnly", "writeOnly", "deprecated", "$defs",
+                          "definitions"})
+_SUPPORTED = frozenset({"type", "enum", "const", "properties", "required",
+                        "additionalProperties", "items", "minItems", "maxItems", "anyOf",
+                        "allOf", "$ref"}) | _ANNOTATIONS
+_TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
+
+State = frozenset
+
+
+@dataclass(frozen=True, slots=True)
+class _Object:
+    # property name -> (the name's bytes after the opening quote, the value's node)
+    properties: dict[str, tuple[bytes, int]]
+    required: frozenset[str]
+    extra: int | None  # node of the values of other keys (None: no other keys)
+
+
+@dataclass(frozen=True, slots=True)
+class _Array:
+    item: int
+    min_items: int
+    max_items: int | None
+
+
+class ByteGrammar:
+    """A compiled constraint over the bytes of the output. `step` is pure: the token layer
+    memoizes it."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.nodes: list[tuple] = []
+        self.initial: State = frozenset()
+
+    def add(self, node: tuple) -> int:
+        self.nodes.append(node)
+        return len(self.nodes) - 1
+
+    # -- queries --------------------------------------------------------------------------
+
+    @staticmethod
+    def accepting(state: State) -> bool:
+        """Whether the output may end here (a complete value, or a top-level number that
+        could also go on)."""
+        return any(not stack or (len(stack) == 1 and stack[0][0] == "N"
+                                 and stack[0][1] in _NUMBER_ENDS)
+                   for stack, _ in state)
+
+    @staticmethod
+    def string_sub(state: State) -> int | None:
+        """The string sub-state when every alternative is inside a string in the same
+        sub-state (what follows the string may differ), else None."""
+        subs = {stack[-1][1] if stack and stack[-1][0] == "S" else None for stack, _ in state}
+        return next(iter(subs)) if len(subs) == 1 else None
+
+    @staticmethod
+    def terminal(state: State) -> bool:
+        """Whether the output is complete and no byte may follow."""
+        return bool(state) and all(not stack for stack, _ in state)
+
+    def step(self, state: State, byte: int) -> State | None:
+        """The state after `byte`, or None when no alternative accepts it."""
+        out = set()
+        for stack, run in state:
+            self._advance(stack, run, byte, out)
+        return frozenset(out) if out else None
+
+    def matches(self, data: bytes) -> bool:
+        """Whether `data` is a complete output (tests and error messages)."""
+        state = self.initial
+        for b in data:
+            state = self.step(state, b)
+            if state is None:
+                return False
+        return self.accepting(state)
+
+    # -- the automaton ---------------------------------------------------------------------
+
+    def _advance(self, stack: tuple, run: int, b: int, out: set) -> None:
+        if not stack:
+            return  # a complete value: nothing may follow
+        top = stack[-1]
+        kind = top[0]
+        if kind == "S":
+            sub = string_step(top[1], b)
+            if sub == -1:
+                return
+            out.add((stack[:-1] if sub is None else stack[:-1] + (("S", sub),), 0))
+        elif kind == "L":
+            rest = top[1]
+            if rest[0] == b:
+                out.add((stack[:-1] + (("L", rest[1:]),) if len(rest) > 1 else stack[:-1], 0))
+        elif kind == "N":
+            sub = _number_step(top[1], b, top[2])
+            if sub is not None:
+                out.add((stack[:-1] + (("N", sub, top[2]),), 0))
+            elif top[1] in _NUMBER_ENDS:
+                self._advance(stack[:-1], 0, b, out)  # the byte after the number
+        elif b in _WHITESPACE:
+            newline = b == ord("\n")
+            if run % _NEWLINE < MAX_WHITESPACE_RUN and not (newline and run >= _NEWLINE):
+                out.add((stack, run + 1 + (_NEWLINE if newline else 0)))
+        elif kind == "V":
+            self._start_value(stack[:-1], top[1], b, out)
+        elif kind == "O":
+            self._object_step(stack, top, b, out)
+        else:
+            self._array_step(stack, top, b, out)
+
+    def _start_value(self, below: tuple, node_id: int, b: int, out: set,
+                     expanding: frozenset = frozenset()) -> None:
+        """The first byte of a value of `node_id`, with `below` the rest of the stack."""
+        node = self.nodes[node_id]
+        kind = node[0]
+        if kind == "anyof":
+            if node_id in expanding:
+                return  # a schema that refers to itself before any byte: no value here
+            for child in node[1]:
+                self._start_value(below, child, b, out, expanding | {node_id})
+        elif kind == "any":
+            if b == ord("{"):
+                out.add((below + (("O", node[1], frozenset(), 0, None),), 0))
+            elif b == ord("["):
+                out.add((below + (("A", node[2], 0, 0),), 0))
+            elif b == ord('"'):
+                out.add((below + (("S", 0),), 0))
+            elif b == ord("-") or b in _DIGITS:
+                out.add((below + (("N", _number_start(b), False),), 0))
+            else:
+                for word in (b"true", b"false", b"null"):
+                    if word[0] == b:
+                        out.add((below + (("L", word[1:]),), 0))
+        elif kind == "object":
+            if b == ord("{"):
+                out.add((below + (("O", node_id, frozenset(), 0, None),), 0))
+        elif kind == "array":
+            if b == ord("["):
+                out.add((below + (("A", node_id, 0, 0),), 0))
+        elif kind == "string":
+            if b == ord('"'):
+                out.add((below + (("S", 0),), 0))
+        elif kind == "number":
+            if b == ord("-") or b in _DIGITS:
+                out.add((below + (("N", _number_start(b), node[1]),), 0))
+        else:  # literal alternatives
+            for word in node[1]:
+                if word[0] == b:
+                    out.add((below + (("L", word[1:]),) if len(word) > 1 else below, 0))
+
+    def _object_step(self, stack: tuple, top: tuple, b: int, out: set) -> None:
+        _, node_id, seen, phase, key = top
+        spec: _Object = self.nodes[node_id][1]
+        below = stack[:-1]
+        if phase in (0, 1) and b == ord('"'):
+            for name, (rest, _) in spec.properties.items():
+                if name not in seen:
+                    out.add((below + (("O", node_id, seen | {name}, 2, name), ("L", rest)), 0))
+            if spec.extra is not None:
+                out.add((below + (("O", node_id, seen, 2, None), ("S", 0)), 0))
+        elif phase == 2 and b == ord(":"):
+            value = spec.extra if key is None else spec.properties[key][1]
+            out.add((below + (("O", node_id, seen, 3, None), ("V", value)), 0))
+        elif phase == 3 and b == ord(","):
+            if spec.extra is not None or len(seen) < len(spec.properties):
+                out.add((below + (("O", node_id, seen, 1, None),), 0))
+        elif phase in (0, 3) and b == ord("}") and spec.required <= seen:
+            out.add((below, 0))
+
+    def _array_step(self, stack: tuple, top: tuple, b: int, out: set) -> None:
+        _, node_id, count, phase = top
+        spec: _Array = self.nodes[node_id][1]
+        below = stack[:-1]
+        if phase == 1 and b == ord(","):
+            if spec.max_items is None or count < spec.max_items:
+                out.add((below + (("A", node_id, count, 2),), 0))
+        elif phase in (0, 1) and b == ord("]"):
+            if count >= spec.min_items:
+                out.add((below, 0))
+        elif phase in (0, 2) and (spec.max_items is None or count < spec.max_items):
+            # A value starts. Counting past min_items changes nothing without a maximum, so
+            # the count stops there (fewer distinct states).
+            count = count + 1 if spec.max_items is not None or count < spec.min_items else count
+            self._start_value(below + (("A", node_id, count, 1),), spec.item, b, out)
+
+
+def string_step(sub: int, b: int) -> int | None:
+    """The string sub-state after byte `b`: None when the string ends, -1 when invalid.
+    Depends on nothing else, so the token layer precomputes which tokens stay inside."""
+    if sub == 0:
+        if b == ord('"'):
+            return None
+        if b == ord("\\"):
+            return 1
+        if b < 0x20:
+            return -1  # control characters must be escaped
+        if b < 0x80:
+            return 0
+        if 0xC2 <= b <= 0xDF:
+            return 21
+        if 0xE0 <= b <= 0xEF:
+            return 22
+        if 0xF0 <= b <= 0xF4:
+            return 23
+        return -1
+    if sub == 1:
+        if b == ord("u"):
+            return 14
+        return 0 if b in _ESCAPES else -1
+    if sub > 20:
+        return (sub - 1 if sub > 21 else 0) if 0x80 <= b <= 0xBF else -1
+    return (sub - 1 if sub > 11 else 0) if b in _HEX else -1
+
+
+def _number_start(b: int) -> int:
+    return _MINUS if b == ord("-") else _ZERO if b == ord("0") else _INT
+
+
+def _number_step(sub: int, b: int, integer: bool) -> int | None:
+    """The number sub-state after byte `b`, or None when `b` cannot continue the number."""
+    digit = b in _DIGITS
+    if sub == _MINUS:
+        return (_ZERO if b == ord("0") else _INT) if digit else None
+    if sub in (_ZERO, _INT):
+        if digit:
+            return _INT if sub == _INT else None
+        if integer:
+            return None
+        return _DOT if b == ord(".") else _E if b in b"eE" else None
+    if sub in (_DOT, _FRAC):
+        if digit:
+            return _FRAC
+        return _E if sub == _FRAC and b in b"eE" else None
+    if sub == _E:
+        return _ESIGN if b in b"+-" else _EXP if digit else None
+    return _EXP if digit else None  # _ESIGN, _EXP
+
+
+# -- building grammars ---------------------------------------------------------------------
+
+def _any_value(g: ByteGrammar) -> int:
+    """The node of any JSON value (objects with any keys, arrays of anything)."""
+    any_id = g.add(("any", None, None))
+    obj = g.add(("object", _Object({}, frozenset(), any_id)))
+    arr = g.add(("array", _Array(any_id, 0, None)))
+    g.nodes[any_id] = ("any", obj, arr)
+    return any_id
+
+
+def json_object_grammar() -> ByteGrammar:
+    """JSON mode: one JSON object or array (as vLLM's and xgrammar's json_object), any keys
+    and values inside."""
+    g = ByteGrammar("any JSON object or array")
+    any_id = _any_value(g)
+    _, obj, arr = g.nodes[any_id]
+    g.initial = frozenset({((("V", g.add(("anyof", (obj, arr)))),), _START_RUN)})
+    return g
+
+
+def choice_grammar(choices: list[str]) -> ByteGrammar:
+    """Exactly one of `choices`, as raw text (vLLM's guided_choice)."""
+    if not isinstance(choices, list) or not choices or not all(
+            isinstance(c, str) and c for c in choices):
+        raise ValueError(f"choice must be a non-empty list of non-empty strings, got "
+                         f"{choices!r:.200}")
+    g = ByteGrammar(f"one of {len(choices)} choices")
+    # Raw text, so no whitespace before it: the start is inside the literals, not a value.
+    g.initial = frozenset(((("L", c.encode()),), 0) for c in choices)
+    return g
+
+
+def json_schema_grammar(schema: object) -> ByteGrammar:
+    """JSON that follows `schema` (a dict, or its JSON text). Objects take their properties
+    in any order, each at most once, the required ones before the closing brace, and no other
+    keys unless additionalProperties allows them (then the object may have no `properties`):
+    as the strict modes of OpenAI and xgrammar, where an absent additionalProperties means
+    false. Raises ValueError naming the first keyword it cannot enforce."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json schema is not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"a json schema must be an object, got {type(schema).__name__}")
+    g = ByteGrammar("JSON following the schema")
+    root = _SchemaCompiler(g, schema).node(schema, "#")
+    g.initial = frozenset({((("V", root),), _START_RUN)})
+    return g
+
+
+class _SchemaCompiler:
+    def __init__(self, g: ByteGrammar, root: object) -> None:
+        self.g = g
+        self.root = root
+        self.refs: dict[str, int] = {}
+        self.any: int | None = None
+
+    def node(self, schema: object, where: str) -> int:
+        g = self.g
+        if schema is True or schema == {}:
+            if self.any is None:
+                self.any = _any_value(g)
+            return self.any
+        if schema is False:
+            raise ValueError(f"json schema at {where} is false: no value can follow it")
+        if not isinstance(schema, dict):
+            raise ValueError(f"json schema at {where} must be an object or a boolean, got "
+                             f"{schema!r:.80}")
+        unknown = sorted(set(schema) - _SUPPORTED)
+        if unknown:
+            known = ", ".join(sorted(_SUPPORTED - _ANNOTATIONS))
+            raise ValueError(f"json schema keyword {unknown[0]!r} (at {where}) is not "
+                             f"supported; supported: {known}")
+        if "$ref" in schema:
+            if len(set(schema) - _ANNOTATIONS) > 1:
+                raise ValueError(f"json schema at {where}: $ref beside other keywords is not "
+                                 "supported")
+            return self._ref(schema["$ref"], where)
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1 or len(set(schema)
+                                                                    - _ANNOTATIONS) > 1:
+                raise ValueError(f"json schema at {where}: allOf is supported only with one "
+                                 "schema and nothing beside it")
+            return self.node(parts[0], f"{where}/allOf/0")
+        if "anyOf" in schema:
+            parts = schema["anyOf"]
+            if not isinstance(parts, list) or not parts:
+                raise ValueError(f"json schema at {where}: anyOf must be a non-empty list")
+            rest = {k: v for k, v in schema.items() if k != "anyOf"}
+            if set(rest) - _ANNOTATIONS:
+                raise ValueError(f"json schema at {where}: anyOf beside other keywords is not "
+                                 "supported")
+            return g.add(("anyof", tuple(self.node(p, f"{where}/anyOf/{i}")
+                                         for i, p in enumerate(parts))))
+        if "const" in schema or "enum" in schema:
+            values = [schema["const"]] if "const" in schema else schema["enum"]
+            if not isinstance(values, list) or not values:
+                raise ValueError(f"json schema at {where}: enum must be a non-empty list")
+            words = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":"))
+                                        .encode() for v in values))
+            return g.add(("literal", words))
+        kind = schema.get("type")
+        if kind is None:
+            if "properties" in schema or "additionalProperties" in schema:
+                kind = "object"
+            elif "items" in schema:
+                kind = "array"
+            else:
+                return self.node(True, where)
+        if isinstance(kind, list):
+            if not kind:
+                raise ValueError(f"json schema at {where}: type must not be an empty list")
+            # Each type keeps the keywords that apply to it.
+            return g.add(("anyof", tuple(
+                self.node({k: v for k, v in schema.items() if k in _ANNOTATIONS
+                           or k in _TYPE_KEYWORDS.get(t, ())} | {"type": t}, where)
+                for t in dict.fromkeys(kind))))
+        if kind not in _TYPES:
+            raise ValueError(f"json schema at {where}: unknown type {kind!r}")
+        extra = sorted(set(schema) - _ANNOTATIONS - {"type"} - _TYPE_KEYWORDS[kind])
+        if extra:
+            raise ValueError(f"json schema at {where}: {extra[0]!r} does not apply to type "
+                             f"{kind!r}")
+        if kind == "string":
+            return g.add(("string",))
+        if kind in ("integer", "number"):
+            return g.add(("number", kind == "integer"))
+        if kind == "boolean":
+            return g.add(("literal", (b"true", b"false")))
+        if kind == "null":
+            return g.add(("literal", (b"null",)))
+        if kind == "array":
+            return self._array(schema, where)
+        return self._object(schema, where)
+
+    def _array(self, schema: dict, where: str) -> int:
+        low = schema.get("minItems", 0)
+        high = schema.get("maxItems")
+        for name, value in (("minItems", low), ("maxItems", high)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 0):
+                raise ValueError(f"json schema at {where}: {name} must be an integer >= 0")
+        if high is not None and high < low:
+            raise ValueError(f"json schema at {where}: maxItems {high} < minItems {low}")
+        node_id = self.g.add(("array", None))
+        item = self.node(schema.get("items", True), f"{where}/items")
+        self.g.nodes[node_id] = ("array", _Array(item, low, high))
+        return node_id
+
+    def _object(self, schema: dict, where: str) -> int:
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise ValueError(f"json schema at {where}: properties must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError(f"json schema at {where}: required must be a list of names")
+        missing = [r for r in required if r not in props]
+        extra_schema = schema.get("additionalProperties", False)
+        if extra_schema is not False and props:
+            raise ValueError(f"json schema at {where}: additionalProperties beside properties "
+                             "is not supported (give one or the other)")
+        if missing:
+            raise ValueError(f"json schema at {where}: required property {missing[0]!r} is "
+                             "not in properties")
+        node_id = self.g.add(("object", None))
+        extra = None if extra_schema is False else self.node(
+            extra_schema, f"{where}/additionalProperties")
+        compiled = {}
+        for name, sub in props.items():
+            key = json.dumps(name, ensure_ascii=False).encode()[1:]  # after the opening quote
+            compiled[name] = (key, self.node(sub, f"{where}/properties/{name}"))
+        self.g.nodes[node_id] = ("object", _Object(compiled, frozenset(required), extra))
+        return node_id
+
+    def _ref(self, ref: object, where: str) -> int:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValueError(f"json schema at {where}: only local $ref ('#/...') is supported, "
+                             f"got {ref!r:.80}")
+        if ref in self.refs:
+            return self.refs[ref]
+        target: object = self.root
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise ValueError(f"json schema at {where}: $ref {ref!r} points nowhere")
+            target = target[part]
+        # A placeholder first, so a recursive schema refers to itself.
+        placeholder = self.g.add(("anyof", ()))
+        self.refs[ref] = placeholder
+        self.g.nodes[placeholder] = ("anyof", (self.node(target, ref),))
+        return placeholder
+
+
+_TYPE_KEYWORDS = {
+    "string": set(), "integer": set(), "number": set(), "boolean": set(), "null": set(),
+    "array": {"items", "minItems", "maxItems"},
+    "object": {"properties", "required", "additionalProperties"},
+}

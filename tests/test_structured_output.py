@@ -1,0 +1,264 @@
+"""Structured outputs through the engine: the per-state token masks against a token-by-token
+check, constrained greedy decoding against a reference loop over HF transformers' logits (RAG
+prompt, cold and warm, beside an unconstrained request), sampled outputs that parse, choices,
+and bad constraints as clear errors. The byte automata alone: test_json_grammar.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import random_prompt
+from reference import extend_layout, layout_reference, reference_logits
+
+from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv.json_grammar import json_schema_grammar
+from ragkv.structured_output import (
+    StructuredOutputs,
+    StructuredOutputsParams,
+    TokenGrammar,
+    TokenVocabulary,
+    token_bytes,
+)
+
+# Every value is bounded (whitespace runs too), so any model must close the object: a
+# constrained sample always ends with finish_reason "stop".
+BOUNDED = {"type": "object",
+           "properties": {"ok": {"type": "boolean"},
+                          "kind": {"enum": ["cat", "dog", 3, None]},
+                          "tags": {"type": "array", "items": {"const": "x"}, "maxItems": 2}},
+           "required": ["ok", "kind"]}
+OPEN = {"type": "object", "properties": {"name": {"type": "string"},
+                                         "n": {"type": "integer"},
+                                         "next": {"anyOf": [{"type": "null"},
+                                                            {"type": "number"}]}},
+        "required": ["name"]}
+
+
+def tokens(n: int, seed: int) -> dict:
+    return {"prompt_token_ids": random_prompt(n, seed=seed)}
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint, hf_model):
+    path = checkpoint("llama")
+    return path, hf_model(path)
+
+
+@pytest.fixture(scope="module")
+def llm(llama):
+    engine = LLM(llama[0], kv_cache_tokens=4096, chunk_cache_tokens=1024)
+    yield engine
+    engine.check_integrity()
+
+
+def brute_force_mask(grammar: TokenGrammar, sid: int) -> torch.Tensor:
+    """Token t is allowed iff all its bytes step the automaton (no trie, no cache)."""
+    g, state = grammar.grammar, grammar._states[sid]
+    out = torch.zeros(grammar.vocab.size, dtype=torch.bool)
+    for tid, data in enumerate(grammar.vocab.bytes_of):
+        s = state
+        for b in data or b"":
+            s = g.step(s, b)
+            if s is None:
+                break
+        out[tid] = bool(data) and s is not None
+    return out
+
+
+@pytest.mark.parametrize("params,text", [
+    (StructuredOutputsParams(json=OPEN),
+     '{"n": -12, "name": "a \\"b\\" \\u00e9 é\\n", "next": 1.5e-3}'),
+    (StructuredOutputsParams(json_object=True), '[{"a": [1, {"b": "c d"}]}, "é", true, null]'),
+    (StructuredOutputsParams(choice=["yes", "yes sir", "no"]), "yes sir"),
+])
+def test_masks_equal_a_token_by_token_check(llm, params, text):
+    """Along a document, byte by byte (so string states with escapes and multi-byte
+    characters are reached), every state's mask equals the brute-force one: the trie walk
+    and the in-string shortcut agree with the automaton."""
+    engine = llm.engine
+    grammar = engine.structured.matcher(params).grammar
+    sid = grammar.initial
+    for b in text.encode():
+        assert torch.equal(grammar.mask(sid), brute_force_mask(grammar, sid))
+        sid = grammar.step(sid, b)
+        assert sid >= 0
+    assert grammar.accepting(sid)
+    assert torch.equal(grammar.mask(sid), brute_force_mask(grammar, sid))
+
+
+def test_sentencepiece_vocabularies_spell_bytes_and_spaces():
+    """"▁" is a space and <0xNN> a byte in SentencePiece vocabularies; special tokens have
+    no bytes; a byte-level (GPT-2 alphabet) vocabulary maps each character to its byte."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>", "<0x0A>", "<0xC3>", "<0xA9>", "▁{", "\"a\"", ":▁1}", "▁"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+    got = token_bytes(fast, len(pieces) + 2)
+    assert got == [None, None, None, b"\n", b"\xc3", b"\xa9", b" {", b'"a"', b": 1}", b" ",
+                   None, None]
+    vocab = TokenVocabulary(fast, len(pieces))
+    grammar = TokenGrammar(json_schema_grammar({"type": "object", "properties": {
+        "a": {"type": "integer"}}}), vocab)
+    sid = grammar.initial
+    for token in (6, 7, 8):  # ' {', '"a"', ': 1}'
+        assert grammar.mask(sid)[token]
+        sid = grammar.advance(sid, token)
+    assert grammar.terminal(sid)
+
+
+def test_byte_level_vocabulary_matches_decode(llm):
+    tok = llm.engine.tokenizer
+    spelled = token_bytes(tok, llm.engine.model_config.vocab_size)
+    ids = tok.encode('{"key": "välue\n", "n": [1, 2]}', add_special_tokens=False)
+    assert b"".join(spelled[i] for i in ids).decode() == tok.decode(ids)
+    assert all(spelled[i] is None for i in tok.all_special_ids)
+
+
+def reference_constrained_greedy(hf, grammar, S, C, Q, eos: set[int], max_tokens: int):
+    """Greedy decoding over the one-pass reference's logits where each step's candidates
+    are the tokens whose bytes step the byte automaton (and EOS where the output may end),
+    stopping when the output is complete."""
+    ids, positions, visible, hidden = layout_reference(S, C, Q)
+    spelled = grammar.vocab.bytes_of
+    state, out = grammar.grammar.initial, []
+    g = grammar.grammar
+    for _ in range(max_tokens):
+        logits = reference_logits(hf, ids + out, positions, visible)
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        for tid, data in enumerate(spelled):
+            s = state
+            for b in data or b"":
+                s = g.step(s, b)
+                if s is None:
+                    break
+            allowed[tid] = bool(data) and s is not None
+        if g.accepting(state):
+            allowed[list(eos)] = True
+        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+        out.append(token)
+        if token in eos:
+            break
+        for b in spelled[token]:
+            state = g.step(state, b)
+        if g.terminal(state):
+            break
+        positions, visible = extend_layout(positions, visible, 1, hidden)
+        hidden = torch.cat([hidden, torch.zeros(1, dtype=torch.bool)])
+    return out
+
+
+@pytest.mark.parametrize("schema", [BOUNDED, OPEN])
+def test_constrained_greedy_equals_a_reference_loop_cold_and_warm(llama, schema):
+    path, hf = llama
+    llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    S, C = random_prompt(5, seed=21), [random_prompt(6, seed=22), random_prompt(4, seed=23)]
+    Q = random_prompt(3, seed=24)
+    so = StructuredOutputsParams(json=schema)
+    params = SamplingParams(max_tokens=120, temperature=0.0, structured_outputs=so)
+    grammar = llm.engine.structured.matcher(so).grammar
+    want = reference_constrained_greedy(hf, grammar, S, C, Q, llm.engine.eos_token_ids,
+                                        params.max_tokens)
+    free = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    others = []
+    for warm in (False, True):
+        # Beside an unconstrained request in the same batches.
+        out, other = llm.generate([RAGPrompt(S, C, Q)] * 2, [params, free], use_tqdm=False)
+        assert (out.metrics.num_chunk_hits == 2) == warm
+        got = out.outputs[0]
+        assert got.token_ids == want
+        others.append(other.outputs[0].token_ids)
+        if got.finish_reason == "stop":
+            value = json.loads(got.text)
+            assert set(schema["required"]) <= set(value) <= set(schema["properties"])
+        else:
+            assert got.finish_reason == "length" and len(want) == params.max_tokens
+    if schema is BOUNDED:
+        assert got.finish_reason == "stop"
+    alone = llm.generate(RAGPrompt(S, C, Q), free, use_tqdm=False)[0].outputs[0].token_ids
+    assert others == [alone, alone]  # the unconstrained request's tokens are unchanged
+    llm.check_integrity()
+
+
+def test_sampled_outputs_follow_the_schema(llm):
+    """n samples at temperature 1.5: each ends by itself (every value is bounded) and
+    parses to an object the schema allows."""
+    params = SamplingParams(n=6, temperature=1.5, seed=3, max_tokens=300,
+                            structured_outputs=StructuredOutputsParams(json=BOUNDED))
+    out = llm.generate(tokens(7, seed=31), params, use_tqdm=False)[0]
+    texts = set()
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        value = json.loads(sample.text)
+        assert isinstance(value["ok"], bool) and value["kind"] in ("cat", "dog", 3, None)
+        assert set(value) <= {"ok", "kind", "tags"} and value.get("tags", []) in (
+            [], ["x"], ["x", "x"])
+        texts.add(sample.text)
+    assert len(texts) > 1  # sampling varied within the constraint
+
+
+def test_choice_and_json_object(llm):
+    choices = ["red", "green", "blue sky"]
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    for sample in llm.generate(tokens(5, seed=32), params, use_tqdm=False)[0].outputs:
+        assert sample.text in choices and sample.finish_reason == "stop"
+    params = SamplingParams(temperature=0.0, max_tokens=30,
+                            structured_outputs=StructuredOutputsParams(json_object=True),
+                            logit_bias={t: 5.0 for t in llm.get_tokenizer().encode(
+                                "{}[]", add_special_tokens=False)})
+    out = llm.generate(tokens(5, seed=33), params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), (dict, list))
+
+
+def test_min_tokens_and_stop_tokens_with_a_grammar(llm):
+    """Where the output may end (a top-level number), a stop token is allowed only from
+    min_tokens on; a complete object ends the sample without one."""
+    so = StructuredOutputsParams(json={"type": "integer"})
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=4, logit_bias={eos: 100},
+                            structured_outputs=so)
+    out = llm.generate(tokens(5, seed=34), params, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.token_ids[-1] == eos  # 4 digits' tokens, then EOS
+    assert out.finish_reason == "stop" and int(out.text) >= 0
+    assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1])
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(json={"type": "string", "pattern": "a+"}), "'pattern'"),
+    (dict(json={"type": "object", "properties": {}, "required": ["a"]}), "'a'"),
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(json={"$ref": "#/$defs/missing"}), "points nowhere"),
+    (dict(), "exactly one"),
+    (dict(json_object=True, choice=["a"]), "exactly one"),
+    (dict(choice=[]), "non-empty list"),
+    (dict(choice=["a", ""]), "non-empty strings"),
+])
+def test_bad_constraints_are_clear_errors(llm, kwargs, fragment):
+    with pytest.raises(ValueError, match=None) as info:
+        SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))
+    assert fragment in str(info.value)
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json_object": True})
+    llm.check_integrity()
+
+
+def test_grammars_are_shared_and_bounded(llm):
+    engine = llm.engine
+    structured = StructuredOutputs(engine.tokenizer, engine.model_config.vocab_size)
+    a = structured.matcher(StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}}))
+    b = structured.matcher(StructuredOutputsParams(json=json.dumps({"properties": {
+        "a": {"type": "integer"}}, "type": "object"})))
+    assert a.grammar is b.grammar and a is not b  # one grammar, one matcher per sample
+    a.advance(engine.tokenizer.encode("{", add_special_tokens=False)[0])
+    assert b.state == b.grammar.initial
+    with pytest.raises(ValueError, match="does not follow"):
+        b.advance(engine.tokenizer.encode("x", add_special_tokens=False)[0])
