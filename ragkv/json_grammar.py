@@ -321,7 +321,7 @@ def json_schema_grammar(schema: object) -> ByteGrammar:
     in any order, each at most once, the required ones before the closing brace, and no other
     keys unless additionalProperties allows them (then the object may have no `properties`):
     as the strict modes of OpenAI and xgrammar, where an absent additionalProperties means
-    false. Raises ValueError naming the first keyword it cannot enforce."""
+    false (an object schema with neither is any object). Raises ValueError naming the first keyword it cannot enforce."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -443,7 +443,9 @@ class _SchemaCompiler:
         if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
             raise ValueError(f"json schema at {where}: required must be a list of names")
         missing = [r for r in required if r not in props]
-        extra_schema = schema.get("additionalProperties", False)
+        # Strict mode: without additionalProperties no other keys, except in an object that
+        # names no properties either ({"type": "object"}), which is any object.
+        extra_schema = schema.get("additionalProperties", "properties" not in schema)
         if extra_schema is not False and props:
             raise ValueError(f"json schema at {where}: additionalProperties beside properties "
                              "is not supported (give one or the other)")

@@ -13,6 +13,7 @@ object), the engine finishes the sample without one.
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
@@ -197,6 +198,11 @@ class TokenGrammar:
         self._next: dict[tuple[int, int], int] = {}  # (state, byte) -> state, -1 dead
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.initial = self._intern(grammar.initial)
+        self.mask_seconds = 0.0  # time spent computing masks not yet cached (benchmarks)
+
+    @property
+    def num_masks(self) -> int:
+        return len(self._masks)
 
     def _intern(self, state: State) -> int:
         sid = self._ids.get(state)
@@ -238,6 +244,15 @@ class TokenGrammar:
         if mask is not None:
             self._masks.move_to_end(sid)
             return mask
+        start = time.perf_counter()
+        mask = self._compute_mask(sid)
+        self.mask_seconds += time.perf_counter() - start
+        self._masks[sid] = mask
+        if len(self._masks) > MAX_MASKS_PER_GRAMMAR:
+            self._masks.popitem(last=False)
+        return mask
+
+    def _compute_mask(self, sid: int) -> torch.Tensor:
         sub = self.grammar.string_sub(self._states[sid])
         if sub is not None:
             inside, closing = self.vocab.in_string(sub)
@@ -245,7 +260,7 @@ class TokenGrammar:
             ends = [t for t in closing if self.advance(sid, t) >= 0]
             if ends:
                 mask[torch.tensor(ends)] = True
-            return self._keep(sid, mask)
+            return mask
         children, ends, step = self.vocab.children, self.vocab.ends, self.step
         allowed: list[int] = []
         todo = [(0, sid)]
@@ -260,12 +275,6 @@ class TokenGrammar:
         mask = torch.zeros(self.vocab.size, dtype=torch.bool)
         if allowed:
             mask[torch.tensor(allowed)] = True
-        return self._keep(sid, mask)
-
-    def _keep(self, sid: int, mask: torch.Tensor) -> torch.Tensor:
-        self._masks[sid] = mask
-        if len(self._masks) > MAX_MASKS_PER_GRAMMAR:
-            self._masks.popitem(last=False)
         return mask
 
 

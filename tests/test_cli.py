@@ -65,3 +65,27 @@ def test_demo_checks_exactness():
     assert "RANDOM weights" in r.stdout
     assert "4/4 answers identical token for token" in r.stdout
     assert "hit rate" in r.stdout and "speedup" in r.stdout
+
+
+def test_generate_with_structured_outputs(tmp_path):
+    """--json-schema (a file or its text), --choice; a schema keyword that cannot be enforced
+    is a clear error before the model loads."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for value in (str(path), json.dumps(schema)):
+        r = ragkv("generate", "--model", "builtin:tiny", "--json", "--max-tokens", "60",
+                  "--prompt", "Sys ## doc ## question?", "--json-schema", value)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"ok"}
+    r = ragkv("generate", "--model", "builtin:tiny", "--json", "--prompt", "q",
+              "--choice", "left", "--choice", "right")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["text"] in ("left", "right")
+    r = ragkv("generate", "--model", "builtin:tiny", "--prompt", "q", "--json-schema",
+              '{"type": "string", "format": "date"}')
+    assert r.returncode == 2 and "'format'" in r.stderr
+    r = ragkv("generate", "--model", "builtin:tiny", "--prompt", "q", "--json-object",
+              "--choice", "a")
+    assert r.returncode == 2 and "not allowed with" in r.stderr

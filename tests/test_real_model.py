@@ -149,3 +149,36 @@ def test_layouts_match_one_pass_reference_cold_and_warm(llm, hf, layout):
         if chunks is not docs:  # the second time every document is cached
             assert llm.get_chunk_cache_stats().hits - before.hits == 3
         assert out.metrics.num_repositioned_tokens > 0
+
+
+@torch.inference_mode()
+def test_json_schema_answer_is_hf_greedy_within_the_grammar(llm, hf):
+    """Structured outputs on the real tokenizer (byte-level BPE, 49,152 tokens): the answer
+    parses and follows the schema, and each token is HF's argmax among the tokens the
+    grammar allows at that point (teacher-forced in one pass)."""
+    import json
+
+    from ragkv import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "country": {"type": "string"},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "country", "is_capital"]}
+    so = StructuredOutputsParams(json=schema)
+    tok = llm.engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Give me facts about Paris "
+                                     "as JSON."}], tokenize=False, add_generation_prompt=True)
+    ids = tok(text)["input_ids"]
+    got = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+        max_tokens=60, temperature=0.0, structured_outputs=so), use_tqdm=False)[0].outputs[0]
+    assert got.finish_reason == "stop"
+    value = json.loads(got.text)
+    assert set(value) == set(schema["required"]) and value["city"] == "Paris"
+    logits = hf(input_ids=torch.tensor([ids + got.token_ids[:-1]])).logits[0, len(ids) - 1:]
+    matcher = llm.engine.structured.matcher(so)
+    for token, row in zip(got.token_ids, logits, strict=True):
+        allowed = matcher.mask()
+        assert int(row.masked_fill(~allowed, float("-inf")).argmax()) == token
+        matcher.advance(token)
+    assert matcher.terminal
+    llm.check_integrity()
