@@ -12,7 +12,8 @@ Frames:
   ("V", node)                         a value of `node` comes next (whitespace first is fine)
   ("S", sub)                          inside a string: sub 0 plain, 1 after a backslash,
                                       10 + k: k hex digits of a \\u escape left,
-                                      20 + k: k UTF-8 continuation bytes left
+                                      20 + k: k UTF-8 continuation bytes left,
+                                      30-33: a restricted second byte next
   ("L", rest)                         the bytes `rest` must follow exactly
   ("N", sub, integer)                 inside a number (sub: see _NUMBER)
   ("O", node, seen, phase, key)       inside an object: phase 0 after "{", 1 after ",",
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 # Whitespace between JSON tokens: at most 16 bytes in a row, one newline among them, no
 # carriage return, and one space or tab at most before the top-level value (SentencePiece
@@ -245,18 +247,32 @@ def string_step(sub: int, b: int) -> int | None:
             return 0
         if 0xC2 <= b <= 0xDF:
             return 21
-        if 0xE0 <= b <= 0xEF:
+        # The second byte of these leads has a narrower range (no overlong forms, no
+        # surrogates, nothing past U+10FFFF): sub-states 30-33.
+        if b in _NARROW_LEADS:
+            return _NARROW_LEADS[b][0]
+        if 0xE1 <= b <= 0xEF:
             return 22
-        if 0xF0 <= b <= 0xF4:
+        if 0xF1 <= b <= 0xF3:
             return 23
         return -1
     if sub == 1:
         if b == ord("u"):
             return 14
         return 0 if b in _ESCAPES else -1
+    if sub >= 30:
+        low, high, then = _NARROW_SECOND[sub]
+        return then if low <= b <= high else -1
     if sub > 20:
         return (sub - 1 if sub > 21 else 0) if 0x80 <= b <= 0xBF else -1
     return (sub - 1 if sub > 11 else 0) if b in _HEX else -1
+
+
+# UTF-8 lead bytes whose second byte is restricted: lead -> (sub-state,); sub-state ->
+# (lowest, highest second byte, sub-state after it: continuation bytes left).
+_NARROW_LEADS = {0xE0: (30,), 0xED: (31,), 0xF0: (32,), 0xF4: (33,)}
+_NARROW_SECOND = {30: (0xA0, 0xBF, 21), 31: (0x80, 0x9F, 21), 32: (0x90, 0xBF, 22),
+                  33: (0x80, 0x8F, 22)}
 
 
 def _number_start(b: int) -> int:
@@ -321,7 +337,8 @@ def json_schema_grammar(schema: object) -> ByteGrammar:
     in any order, each at most once, the required ones before the closing brace, and no other
     keys unless additionalProperties allows them (then the object may have no `properties`):
     as the strict modes of OpenAI and xgrammar, where an absent additionalProperties means
-    false (an object schema with neither is any object). Raises ValueError naming the first keyword it cannot enforce."""
+    false (an object schema with neither is any object). Raises ValueError naming the first
+    keyword it cannot enforce."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -332,6 +349,9 @@ def json_schema_grammar(schema: object) -> ByteGrammar:
     g = ByteGrammar("JSON following the schema")
     root = _SchemaCompiler(g, schema).node(schema, "#")
     g.initial = frozenset({((("V", root),), _START_RUN)})
+    if not any(g.step(g.initial, b) for b in range(256) if b not in _WHITESPACE):
+        # e.g. {"$ref": "#"}, or anyOf over such: a value of it could never start.
+        raise ValueError("json schema: no value can follow it (it only refers to itself)")
     return g
 
 
@@ -384,8 +404,13 @@ class _SchemaCompiler:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list) or not values:
                 raise ValueError(f"json schema at {where}: enum must be a non-empty list")
-            words = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, separators=(",", ":"))
-                                        .encode() for v in values))
+            try:
+                words = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, allow_nan=False,
+                                                       separators=(",", ":")).encode()
+                                            for v in values))
+            except (TypeError, ValueError) as e:  # NaN and infinities are not JSON
+                raise ValueError(f"json schema at {where}: enum or const value is not JSON "
+                                 f"data: {e}") from None
             return g.add(("literal", words))
         kind = schema.get("type")
         if kind is None:
@@ -463,17 +488,20 @@ class _SchemaCompiler:
         return node_id
 
     def _ref(self, ref: object, where: str) -> int:
-        if not isinstance(ref, str) or not ref.startswith("#"):
-            raise ValueError(f"json schema at {where}: only local $ref ('#/...') is supported, "
-                             f"got {ref!r:.80}")
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ValueError(f"json schema at {where}: only local $ref ('#' or a JSON "
+                             f"pointer '#/...') is supported, got {ref!r:.80}")
         if ref in self.refs:
             return self.refs[ref]
         target: object = self.root
-        for part in ref[1:].split("/")[1:]:
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            elif isinstance(target, dict) and part in target:
+                target = target[part]
+            else:
                 raise ValueError(f"json schema at {where}: $ref {ref!r} points nowhere")
-            target = target[part]
         # A placeholder first, so a recursive schema refers to itself.
         placeholder = self.g.add(("anyof", ()))
         self.refs[ref] = placeholder
