@@ -3,8 +3,9 @@
 For each constraint (none, a JSON schema, JSON mode, a choice) it generates `--batch` answers
 to RAG-style extraction prompts with greedy decoding, twice: the first pass compiles the
 grammar's masks as states are reached (cold), the second finds them cached (warm). Prints
-seconds per generated token and the ratio to the unconstrained run, how many outputs parse
-(and, for the schema, have the required keys), and the masks' own cost: states reached, the
+milliseconds per generated token and the ratio to the unconstrained run, how many samples
+ended by themselves (not at --max-tokens) and how many parse (and, for the schema, have the
+required keys), and the masks' own cost: states reached, the
 vocabulary trie's build time, and the mean milliseconds of a first (uncached) mask.
 
     python benchmarks/bench_structured.py                     # SmolLM2-135M, 8 prompts
@@ -79,7 +80,7 @@ def main() -> None:
                    "choice": StructuredOutputsParams(choice=["yes", "no"])}
     base = None
     print(f"{'constraint':<12} {'pass':<5} {'tokens':>6} {'ms/token':>9} {'vs none':>8} "
-          f"{'valid':>6} {'states':>7} {'ms/new mask':>12}")
+          f"{'stop':>5} {'valid':>6} {'states':>7} {'ms/new mask':>12}")
     for name, so in constraints.items():
         params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
                                 structured_outputs=so)
@@ -95,12 +96,13 @@ def main() -> None:
                 base = ms
             ratio = f"{ms / base:.2f}" if base else "-"
             ok = sum(valid(o.outputs[0].text, name) for o in outs) if so else "-"
+            stopped = sum(o.outputs[0].finish_reason == "stop" for o in outs)
             states = "-" if grammar is None else grammar.num_masks
             new = 0 if grammar is None else grammar.num_masks - masks_before
             per_mask = f"{grammar.mask_seconds / max(new, 1) * 1000:.2f}" if new else "-"
             if grammar is not None:
                 grammar.mask_seconds = 0.0
-            print(f"{name:<12} {label:<5} {tokens:>6} {ms:>9.2f} {ratio:>8} {ok!s:>6} "
+            print(f"{name:<12} {label:<5} {tokens:>6} {ms:>9.2f} {ratio:>8} {stopped:>5} {ok!s:>6} "
                   f"{states!s:>7} {per_mask:>12}")
         if so is not None:
             print(f"  e.g. {outs[0].outputs[0].text!r}")

@@ -36,6 +36,9 @@ from urllib.parse import unquote
 # pretty-printing seven levels deep.
 MAX_WHITESPACE_RUN = 16
 _WHITESPACE = frozenset(b" \t\n")
+# Deepest nesting of objects and arrays: in JSON mode the model chooses the depth, and every
+# level makes each later state (and its mask) a new one.
+MAX_NESTING = 128
 _NEWLINE = 100  # added to an alternative's whitespace count once the run has a newline
 _START_RUN = _NEWLINE + MAX_WHITESPACE_RUN - 1  # before the top-level value: one space
 _DIGITS = frozenset(b"0123456789")
@@ -103,10 +106,10 @@ class ByteGrammar:
         subs = {stack[-1][1] if stack and stack[-1][0] == "S" else None for stack, _ in state}
         return next(iter(subs)) if len(subs) == 1 else None
 
-    @staticmethod
-    def terminal(state: State) -> bool:
-        """Whether the output is complete and no byte may follow."""
-        return bool(state) and all(not stack for stack, _ in state)
+    def terminal(self, state: State) -> bool:
+        """Whether the output is complete and no byte may follow (a closed object, but also
+        a top-level integer 0, which no digit may extend)."""
+        return self.accepting(state) and not any(self.step(state, b) for b in range(256))
 
     def step(self, state: State, byte: int) -> State | None:
         """The state after `byte`, or None when no alternative accepts it."""
@@ -162,6 +165,8 @@ class ByteGrammar:
         """The first byte of a value of `node_id`, with `below` the rest of the stack."""
         node = self.nodes[node_id]
         kind = node[0]
+        if len(below) >= MAX_NESTING and b in b"{[":
+            return
         if kind == "anyof":
             if node_id in expanding:
                 return  # a schema that refers to itself before any byte: no value here
@@ -344,14 +349,29 @@ def json_schema_grammar(schema: object) -> ByteGrammar:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"json schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("json schema nests too deeply") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"a json schema must be an object, got {type(schema).__name__}")
     g = ByteGrammar("JSON following the schema")
-    root = _SchemaCompiler(g, schema).node(schema, "#")
+    try:
+        root = _SchemaCompiler(g, schema).node(schema, "#")
+    except RecursionError:
+        raise ValueError("json schema nests too deeply") from None
     g.initial = frozenset({((("V", root),), _START_RUN)})
-    if not any(g.step(g.initial, b) for b in range(256) if b not in _WHITESPACE):
-        # e.g. {"$ref": "#"}, or anyOf over such: a value of it could never start.
-        raise ValueError("json schema: no value can follow it (it only refers to itself)")
+    # A $ref that only leads back to itself (or an anyOf of such) can never start a value: the
+    # output would reach a state where nothing may follow. Found by a fixpoint over the nodes.
+    startable = {i for i, node in enumerate(g.nodes) if node[0] != "anyof"}
+    grew = True
+    while grew:
+        grew = False
+        for i, node in enumerate(g.nodes):
+            if i not in startable and any(c in startable for c in node[1]):
+                startable.add(i)
+                grew = True
+    if len(startable) < len(g.nodes):
+        raise ValueError("json schema: a $ref only refers to itself, so no value can follow "
+                         "it")
     return g
 
 
@@ -404,6 +424,18 @@ class _SchemaCompiler:
             values = [schema["const"]] if "const" in schema else schema["enum"]
             if not isinstance(values, list) or not values:
                 raise ValueError(f"json schema at {where}: enum must be a non-empty list")
+            beside = sorted(set(schema) - _ANNOTATIONS - {"enum", "const", "type"})
+            if beside or ("enum" in schema and "const" in schema):
+                raise ValueError(f"json schema at {where}: "
+                                 f"{beside[0] if beside else 'enum'!r} beside enum or const is "
+                                 "not supported")
+            kinds = schema.get("type")
+            kinds = [kinds] if isinstance(kinds, str) else kinds
+            wrong = [v for v in values if kinds is not None and not any(
+                _is_type(v, k) for k in kinds)]
+            if wrong:
+                raise ValueError(f"json schema at {where}: enum or const value {wrong[0]!r:.40} "
+                                 f"is not of type {schema['type']!r}")
             try:
                 words = tuple(dict.fromkeys(json.dumps(v, ensure_ascii=False, allow_nan=False,
                                                        separators=(",", ":")).encode()
@@ -414,9 +446,9 @@ class _SchemaCompiler:
             return g.add(("literal", words))
         kind = schema.get("type")
         if kind is None:
-            if "properties" in schema or "additionalProperties" in schema:
+            if set(schema) & _TYPE_KEYWORDS["object"]:
                 kind = "object"
-            elif "items" in schema:
+            elif set(schema) & _TYPE_KEYWORDS["array"]:
                 kind = "array"
             else:
                 return self.node(True, where)
@@ -507,6 +539,15 @@ class _SchemaCompiler:
         self.refs[ref] = placeholder
         self.g.nodes[placeholder] = ("anyof", (self.node(target, ref),))
         return placeholder
+
+
+def _is_type(value: object, kind: str) -> bool:
+    if kind == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    python = {"string": str, "boolean": bool, "object": dict, "array": list}.get(kind)
+    return value is None if kind == "null" else python is not None and isinstance(value, python)
 
 
 _TYPE_KEYWORDS = {

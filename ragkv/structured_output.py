@@ -30,10 +30,13 @@ from .json_grammar import (
 )
 
 # Masks kept per grammar (each is one bool per vocabulary entry): a schema's states number in
-# the tens to hundreds; free JSON's grow with nesting depth.
+# the tens to hundreds; free JSON's grow with nesting depth. At most 4,096, and at most 64 MB
+# of them (441 masks for a 152k vocabulary).
 MAX_MASKS_PER_GRAMMAR = 4096
-# Compiled grammars kept, by their request's key (schema text, choice list).
-MAX_GRAMMARS = 64
+MASK_BYTES_PER_GRAMMAR = 64 << 20
+# Grammars kept per engine, by their request's key (schema text, choice list), and compiled
+# byte grammars kept per process.
+MAX_GRAMMARS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,11 +51,11 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name, set_ in (("json", self.json is not None),
-                                         ("json_object", self.json_object is True),
-                                         ("choice", self.choice is not None)) if set_]
         if not isinstance(self.json_object, bool):
             raise ValueError(f"json_object must be a boolean, got {self.json_object!r}")
+        given = [name for name, set_ in (("json", self.json is not None),
+                                         ("json_object", self.json_object),
+                                         ("choice", self.choice is not None)) if set_]
         if len(given) != 1:
             raise ValueError("structured outputs need exactly one of json, json_object and "
                              f"choice; got {', '.join(given) or 'none'}")
@@ -66,15 +69,16 @@ class StructuredOutputsParams:
         if self.choice is not None:
             return "choice:" + json.dumps(self.choice)
         schema = self.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"json schema is not valid JSON: {e}") from None
         try:
+            if isinstance(schema, str):
+                schema = json.loads(schema)
             return "json:" + json.dumps(schema, sort_keys=True)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json schema is not valid JSON: {e}") from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"json schema is not JSON data: {e}") from None
+        except RecursionError:
+            raise ValueError("json schema nests too deeply") from None
 
 
 @lru_cache(maxsize=MAX_GRAMMARS)
@@ -118,8 +122,10 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
         else:
             added[tid] = tok.content
     decoder = _byte_decoder()
-    ordinary = [p for i, p in enumerate(pieces) if p and i not in special and i not in added]
-    byte_level = all(c in decoder for p in ordinary for c in p)
+    byte_level = _decodes_bytes(tokenizer)
+    if byte_level is None:  # no backend to ask: a byte-level vocabulary spells only its alphabet
+        ordinary = [p for i, p in enumerate(pieces) if p and i not in special and i not in added]
+        byte_level = all(c in decoder for p in ordinary for c in p)
     out: list[bytes | None] = [None] * vocab_size
     for i, piece in enumerate(pieces):
         if i in special or not piece:
@@ -133,6 +139,23 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
         else:
             out[i] = piece.replace("\u2581", " ").encode()
     return out
+
+
+def _decodes_bytes(tokenizer) -> bool | None:
+    """Whether a fast tokenizer's decoder is byte-level (GPT-2's alphabet); None if unknown."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return None
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+    if "ByteLevel" in kinds:
+        return True
+    if {"Metaspace", "ByteFallback", "Replace"} & set(kinds):
+        return False
+    return None
 
 
 class TokenVocabulary:
@@ -197,6 +220,9 @@ class TokenGrammar:
         self._states: list[State] = []
         self._next: dict[tuple[int, int], int] = {}  # (state, byte) -> state, -1 dead
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._max_masks = max(16, min(MAX_MASKS_PER_GRAMMAR,
+                                      MASK_BYTES_PER_GRAMMAR // max(vocab.size, 1)))
+        self._terminal: dict[int, bool] = {}
         self.initial = self._intern(grammar.initial)
         self.mask_seconds = 0.0  # time spent computing masks not yet cached (benchmarks)
 
@@ -235,7 +261,12 @@ class TokenGrammar:
         return self.grammar.accepting(self._states[sid])
 
     def terminal(self, sid: int) -> bool:
-        return self.grammar.terminal(self._states[sid])
+        """Complete, and no byte may follow (memoized: asked after every token)."""
+        done = self._terminal.get(sid)
+        if done is None:
+            done = self._terminal[sid] = self.accepting(sid) and all(
+                self.step(sid, b) < 0 for b in range(256))
+        return done
 
     def mask(self, sid: int) -> torch.Tensor:
         """[vocab] bool: the tokens whose every byte the grammar accepts from state `sid`
@@ -248,7 +279,7 @@ class TokenGrammar:
         mask = self._compute_mask(sid)
         self.mask_seconds += time.perf_counter() - start
         self._masks[sid] = mask
-        if len(self._masks) > MAX_MASKS_PER_GRAMMAR:
+        if len(self._masks) > self._max_masks:
             self._masks.popitem(last=False)
         return mask
 

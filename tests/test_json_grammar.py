@@ -878,3 +878,13 @@ def test_refs_into_lists_self_reference_and_non_finite_constants():
     with pytest.raises(ValueError, match="points nowhere"):
         json_schema_grammar({"type": "array", "items": {"$ref": "#/$defs/list/3"},
                              "$defs": {"list": [{"type": "null"}]}})
+
+
+def test_nesting_is_capped():
+    """JSON mode lets the model choose the depth; each level makes every later state a new
+    one, so objects and arrays nest at most MAX_NESTING deep."""
+    from ragkv.json_grammar import MAX_NESTING
+
+    g = json_object_grammar()
+    assert g.matches(b"[" * MAX_NESTING + b"]" * MAX_NESTING)
+    assert not g.matches(b"[" * (MAX_NESTING + 1) + b"]" * (MAX_NESTING + 1))

@@ -229,6 +229,23 @@ def test_min_tokens_and_stop_tokens_with_a_grammar(llm):
     assert len(out.token_ids) == 5 and out.token_ids[-1] == eos  # 4 digits' tokens, then EOS
     assert out.finish_reason == "stop" and int(out.text) >= 0
     assert out.text == llm.get_tokenizer().decode(out.token_ids[:-1])
+    # "0" is complete and no digit may follow: the sample ends there even without a stop
+    # token (ignore_eos) instead of reaching a state with nothing to sample.
+    zero = llm.get_tokenizer().convert_tokens_to_ids("0")
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                            logit_bias={zero: 100}, structured_outputs=so)
+    out = llm.generate(tokens(5, seed=35), params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.token_ids, out.finish_reason) == ("0", [zero], "stop")
+    # A stop token with text is banned where the output may not end, even where its text
+    # fits: here the digit "1" inside the object; the sample ends by closing the object.
+    one = llm.get_tokenizer().convert_tokens_to_ids("1")
+    params = SamplingParams(temperature=0.0, max_tokens=200, stop_token_ids=[one],
+                            logit_bias={one: 100}, structured_outputs=StructuredOutputsParams(
+                                json={"type": "object", "properties": {"n": {"type": "integer"}},
+                                      "required": ["n"]}))
+    out = llm.generate(tokens(5, seed=36), params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and one not in out.token_ids
+    assert set(json.loads(out.text)) == {"n"}
 
 
 @pytest.mark.parametrize("kwargs,fragment", [
@@ -238,6 +255,13 @@ def test_min_tokens_and_stop_tokens_with_a_grammar(llm):
     (dict(json={"$ref": "#/$defs/missing"}), "points nowhere"),
     (dict(), "exactly one"),
     (dict(json_object=True, choice=["a"]), "exactly one"),
+    (dict(json_object="yes"), "json_object must be a boolean"),
+    (dict(json={"type": "string", "enum": [1]}), "not of type"),
+    (dict(json={"const": 1, "properties": {}}), "beside enum or const"),
+    (dict(json={"required": ["a"]}), "'a' is not in properties"),
+    (dict(json={"$defs": {"l": {"$ref": "#/$defs/l"}}, "type": "array",
+                "items": {"$ref": "#/$defs/l"}}), "only refers to itself"),
+    (dict(json='{"items":' * 3000 + "{}" + "}" * 3000), "nests too deeply"),
     (dict(choice=[]), "non-empty list"),
     (dict(choice=["a", ""]), "non-empty strings"),
 ])

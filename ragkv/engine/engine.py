@@ -553,13 +553,16 @@ class Engine:
                 req.prompt_ids_on_device = shared
             prompt = req.prompt_ids_on_device
         early = req.num_output_tokens < req.params.min_tokens
-        allowed, also = None, ()
+        allowed, also, ban = None, (), early
         if req.matcher is not None:
-            # Stop tokens only where the output may end (and min_tokens allows).
+            # Stop tokens only where the output may end (and min_tokens allows): added where
+            # it may, banned elsewhere (a stop token with text may fit the grammar's mask).
             allowed = req.matcher.mask()
-            also = tuple(req.stop_ids) if req.matcher.accepting and not early else ()
+            ending = req.matcher.accepting and not early
+            also = tuple(req.stop_ids) if ending else ()
+            ban = not ending
         return TokenHistory(req.output_counts or {}, prompt,
-                            tuple(req.stop_ids) if early else (), allowed, also)
+                            tuple(req.stop_ids) if ban else (), allowed, also)
 
     @staticmethod
     def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
