@@ -53,11 +53,10 @@ def llm(llama):
     engine.check_integrity()
 
 
-def brute_force_mask(grammar: TokenGrammar, sid: int) -> torch.Tensor:
-    """Token t is allowed iff all its bytes step the automaton (no trie, no cache)."""
-    g, state = grammar.grammar, grammar._states[sid]
-    out = torch.zeros(grammar.vocab.size, dtype=torch.bool)
-    for tid, data in enumerate(grammar.vocab.bytes_of):
+def byte_allowed(g, state, spelled: list[bytes | None]) -> torch.Tensor:
+    """Token t is allowed iff all its bytes step the byte automaton (no trie, no cache)."""
+    out = torch.zeros(len(spelled), dtype=torch.bool)
+    for tid, data in enumerate(spelled):
         s = state
         for b in data or b"":
             s = g.step(s, b)
@@ -65,6 +64,10 @@ def brute_force_mask(grammar: TokenGrammar, sid: int) -> torch.Tensor:
                 break
         out[tid] = bool(data) and s is not None
     return out
+
+
+def brute_force_mask(grammar: TokenGrammar, sid: int) -> torch.Tensor:
+    return byte_allowed(grammar.grammar, grammar._states[sid], grammar.vocab.bytes_of)
 
 
 @pytest.mark.parametrize("params,text", [
@@ -132,14 +135,7 @@ def reference_constrained_greedy(hf, grammar, S, C, Q, eos: set[int], max_tokens
     g = grammar.grammar
     for _ in range(max_tokens):
         logits = reference_logits(hf, ids + out, positions, visible)
-        allowed = torch.zeros_like(logits, dtype=torch.bool)
-        for tid, data in enumerate(spelled):
-            s = state
-            for b in data or b"":
-                s = g.step(s, b)
-                if s is None:
-                    break
-            allowed[tid] = bool(data) and s is not None
+        allowed = byte_allowed(g, state, spelled)
         if g.accepting(state):
             allowed[list(eos)] = True
         token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
