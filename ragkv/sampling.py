@@ -284,18 +284,19 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
     # Ids past the logits (a checkpoint's EOS beyond its LM head) cannot be sampled anyway.
     banned = [i * vocab + t for i in rows if history[i] is not None
               for t in history[i].banned if t < vocab]
-    # Ints in one transfer, floats in another.
+    masked = [i for i in rows if history[i] is not None and history[i].allowed is not None]
+    # Ints in one transfer, floats in another (and the masks' bools in a third).
     ints = int64_tensor([i for i, _, _ in bias] + [t for _, t, _ in bias] + seen_rows_host
                         + seen_ids_host + repeat + [ids.numel() for ids in prompts]
-                        + repeat_seen + banned)
+                        + repeat_seen + banned + masked)
     ints = to_device(ints, device)
     floats = _to_device([b for _, _, b in bias] + seen_counts_host
                         + [p.repetition_penalty for p in params]
                         + [p.frequency_penalty for p in params]
                         + [p.presence_penalty for p in params], torch.float32, device)
     nb, ns, nr, batch = len(bias), len(seen_ids_host), len(repeat), len(params)
-    bias_rows, bias_ids, seen_rows, seen_ids, rep_rows, rep_lens, rep_seen, ban = ints.split(
-        [nb, nb, ns, ns, nr, nr, len(repeat_seen), len(banned)])
+    bias_rows, bias_ids, seen_rows, seen_ids, rep_rows, rep_lens, rep_seen, ban, mask_rows = (
+        ints.split([nb, nb, ns, ns, nr, nr, len(repeat_seen), len(banned), len(masked)]))
     bias_values, seen_counts, repetition, frequency, presence = floats.split(
         [nb, ns, batch, batch, batch])
     out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
@@ -318,17 +319,17 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         flat.index_add_(0, seen_flat, -(frequency[seen_rows] * seen_counts + presence[seen_rows]))
     if banned:
         flat.index_fill_(0, ban, float("-inf"))
-    masked = [i for i in rows if history[i] is not None and history[i].allowed is not None]
     if masked:
-        _mask_rows(out, masked, [history[i] for i in masked])
+        _mask_rows(out, mask_rows, [history[i] for i in masked])
     return out
 
 
-def _mask_rows(logits: torch.Tensor, rows: list[int], history: list[TokenHistory]) -> None:
-    """Every token outside its row's allowed set to -inf (structured outputs), in place: the
-    rows' masks are stacked on the host and sent in one transfer."""
+def _mask_rows(logits: torch.Tensor, rows: torch.Tensor, history: list[TokenHistory]) -> None:
+    """Every token outside its row's allowed set to -inf (structured outputs), in place:
+    `rows` (on the logits' device) are the rows of `history`, whose masks are stacked on the
+    host and sent in one transfer."""
     vocab = logits.shape[1]
-    allow = torch.zeros(len(rows), vocab, dtype=torch.bool)
+    allow = torch.zeros(len(history), vocab, dtype=torch.bool)
     for j, h in enumerate(history):
         n = min(vocab, h.allowed.numel())
         allow[j, :n] = h.allowed[:n]
@@ -336,9 +337,8 @@ def _mask_rows(logits: torch.Tensor, rows: list[int], history: list[TokenHistory
         if extra:
             allow[j, extra] = True
     allow = to_device(allow, logits.device)
-    index = to_device(int64_tensor(rows), logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allow,
-                                                                           float("-inf")))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allow,
+                                                                         float("-inf")))
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],

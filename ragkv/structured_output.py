@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
@@ -49,6 +49,9 @@ class StructuredOutputsParams:
     json: dict | str | None = None
     json_object: bool = False
     choice: list[str] | None = None
+    # A canonical text of the constraint, set on construction: equal constraints share one
+    # compiled grammar (byte_grammar) and one TokenGrammar per engine.
+    key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
@@ -59,11 +62,10 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError("structured outputs need exactly one of json, json_object and "
                              f"choice; got {', '.join(given) or 'none'}")
+        object.__setattr__(self, "key", self._canonical())
         byte_grammar(self.key)  # compile now: errors reach the caller before queuing
 
-    @property
-    def key(self) -> str:
-        """A canonical text of the constraint: equal constraints share one compiled grammar."""
+    def _canonical(self) -> str:
         if self.json_object:
             return "json_object"
         if self.choice is not None:
@@ -261,11 +263,10 @@ class TokenGrammar:
         return self.grammar.accepting(self._states[sid])
 
     def terminal(self, sid: int) -> bool:
-        """Complete, and no byte may follow (memoized: asked after every token)."""
+        """ByteGrammar.terminal, memoized: asked after every token."""
         done = self._terminal.get(sid)
         if done is None:
-            done = self._terminal[sid] = self.accepting(sid) and all(
-                self.step(sid, b) < 0 for b in range(256))
+            done = self._terminal[sid] = self.grammar.terminal(self._states[sid])
         return done
 
     def mask(self, sid: int) -> torch.Tensor:
