@@ -116,9 +116,11 @@ def compiled_variants() -> int | None:
 ROWS = ("prefill", "rag", "decode", "sampled", "mixed", "ragbench")
 
 
-def profile_request(run, out_dir: str, label: str) -> None:
-    """Host time per Python function (cProfile, sorted by cumulative time) and device time per
-    kernel (torch.profiler) of one call of `run`, printed and written to `out_dir`."""
+def profile_request(run, out_dir: str, label: str, calls: int = 50) -> None:
+    """Host time per Python function (cProfile over `calls` calls of `run`, sorted by
+    cumulative time: one warm request is ~3 ms, which pstats' millisecond columns would
+    round away) and device time per kernel (torch.profiler) of one call of `run`, written
+    to `out_dir`."""
     import cProfile
     import os
     import pstats
@@ -128,10 +130,12 @@ def profile_request(run, out_dir: str, label: str) -> None:
     prof = cProfile.Profile()
     cuda = torch.cuda.is_available()
     prof.enable()
-    run()
-    torch.cuda.synchronize() if cuda else None
+    for _ in range(calls):
+        run()
+        torch.cuda.synchronize() if cuda else None
     prof.disable()
     text = StringIO()
+    text.write(f"cProfile: {calls} calls (divide the times by {calls} for one)\n")
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("cumulative").print_stats(45)
     stats.sort_stats("tottime").print_stats(30)

@@ -363,8 +363,11 @@ def extend_packs(max_q_len: int, group: int, block_m: int = EXTEND_BLOCK_M) -> b
 def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int, kv_heads: int,
                   device: torch.device, pack: bool | None = None) -> int:
     """KV slices per (sequence, query block, head): 1 when those already fill the GPU, else
-    enough for about two waves, no slice under 512 entries. `pack`: whether the launch packs
-    heads (None: as `extend_packs` decides)."""
+    as many as one wave holds, no slice under 512 entries. One wave, not two: on the H100 the
+    warm question (16 packed tiles over 4,288 entries) took 0.99 ms at 8 splits (128 programs
+    on 132 SMs), 1.29 at 12 and 1.23 at 16 (bench_gpu.py's sweep), the extra partials' merge
+    and a second wave's start costing more than the shorter slices save. `pack`: whether the
+    launch packs heads (None: as `extend_packs` decides)."""
     if device.type != "cuda":
         return 1 if max(kv_lens) <= 64 else 2
     group = heads // kv_heads
@@ -377,7 +380,7 @@ def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int, kv_heads: i
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if programs >= sms:
         return 1
-    return max(1, min(MAX_SPLITS, -(-2 * sms // programs), max(kv_lens) // 512))
+    return max(1, min(MAX_SPLITS, sms // programs, max(kv_lens) // 512))
 
 
 @dataclass(slots=True)
