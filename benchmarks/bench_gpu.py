@@ -10,7 +10,7 @@ bandwidth (a large device-to-device copy, bytes read + written) and bf16 matmul 
   weights), and its cold TTFT; where its wall time goes (host before the step, the CUDA
   graph on the device, the wait for the token, the outputs); the question's attention kernel
   alone, with the GQA group's heads packed into its tiles and without (floor: one read of
-  the K/V);
+  the K/V), then packed at other KV split counts and other tiles (data for tuning);
 - decode ms/step at batch 1 and 32 after warm-up, T(128) - T(1) over 127 steps, and the first
   pass over lengths never seen before against a repeat;
 - a mixed workload, 16 prompts of 300-2,000 tokens x 32 tokens, twice with fresh lengths
@@ -286,7 +286,37 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
         if s <= ta.MAX_SPLITS and s * 128 <= n_kv}
     figures["floor"] = (args.layers * n_kv * 2 * args.kv_heads * head_dim * dtype.itemsize
                         / floors["bandwidth"])
+    figures["packed_by_tiles"] = tile_sweep(graphed, args, device, dtype, n_q, n_kv)
     return figures
+
+
+def tile_sweep(graphed, args, device: torch.device, dtype: torch.dtype, n_q: int,
+               n_kv: int) -> dict:
+    """The packed launch with other tiles (BLOCK_M, BLOCK_N, warps, pipeline stages), each
+    at one wave of programs as the engine plans it: data for tuning the kernel, not a choice
+    the engine makes. A tile that does not compile (shared memory) is reported, not fatal."""
+    from ragkv.model import triton_attention as ta
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    group = args.heads // args.kv_heads
+    block_d = max(16, 1 << (args.hidden // args.heads - 1).bit_length())
+    engine_tiles = ta._extend_tiles(device, dtype, block_d)
+    candidates = [engine_tiles, (128, 128, 8, 2), (128, 32, 8, 3), (128, 64, 4, 3),
+                  (128, 64, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 2)]
+    results, own = {}, ta._extend_tiles
+    for tiles in dict.fromkeys(candidates):
+        name = "BLOCK_M {} BLOCK_N {} warps {} stages {}".format(*tiles)
+        programs = -(-n_q * group // tiles[0]) * args.kv_heads
+        splits = max(1, min(ta.MAX_SPLITS, sms // programs, n_kv // 512))
+        ta._extend_tiles = lambda *a, tiles=tiles: tiles
+        try:
+            results[name] = {"ms": graphed(True, splits) * 1e3, "splits": splits,
+                             "engine": tiles == engine_tiles}
+        except Exception as e:  # noqa: BLE001 - a tile the GPU cannot run is a result
+            results[name] = {"error": repr(e)[:300], "splits": splits}
+        finally:
+            ta._extend_tiles = own
+    return results
 
 
 def ids(n: int, rng: random.Random) -> list[int]:
@@ -328,6 +358,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-rag-bench", action="store_true")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller sizes")
+    parser.add_argument("--mixed-passes", type=int, default=2,
+                        help="passes of the mixed workload, each with fresh lengths (>= 2)")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     parser.add_argument("--rows", default=",".join(ROWS),
                         help=f"comma-separated subset of {','.join(ROWS)}")
@@ -378,6 +410,7 @@ def main() -> None:
     graphs = llm.engine.runner.graphs
     fig["load_s"] = time.perf_counter() - start
     variants_at_start = compiled_variants()
+    swept_variants = 0  # compiled by the tile sweep for itself, not by the engine's steps
     extend_graphs = llm.engine.runner.extend_graphs
     fig["graph_capture_s"] = graphs.capture_seconds if graphs is not None else None
     fig["extend_graph_capture_s"] = (extend_graphs.capture_seconds
@@ -411,6 +444,8 @@ def main() -> None:
     want = set(args.rows.split(","))
     if want - set(ROWS):
         parser.error(f"--rows: unknown {sorted(want - set(ROWS))}")
+    if args.mixed_passes < 2:
+        parser.error("--mixed-passes: at least 2 (the row compares the first two)")
 
     if "prefill" in want:
         # Prefill.
@@ -467,7 +502,9 @@ def main() -> None:
             # max_model_len, an eager step for the list it has.
             graphs = llm.engine.runner.extend_graphs
             plan_len = graphs.max_model_len if graphs is not None else n_kv
+            before = compiled_variants()
             kernel = question_attention(args, dtype, floors, 64, n_kv, reps, plan_len)
+            swept_variants = compiled_variants() - before
             fig["question_attention"] = kernel
             rows.append((f"question's attention alone, {args.layers} layers x 64 over {n_kv}, "
                          "heads packed", kernel["packed"], None, kernel["floor"],
@@ -481,6 +518,11 @@ def main() -> None:
             say("question attention, packed, by KV splits: "
                 + ", ".join(f"{s}: {t * 1e3:.2f}" for s, t in by_splits.items())
                 + f" ms (fastest {best}; the engine's step uses {kernel['splits_packed']})")
+            say("question attention, packed, by tiles: " + "; ".join(
+                f"{name}: " + (f"{r['ms']:.2f} ms at {r['splits']} splits"
+                               + (" (engine's)" if r["engine"] else "")
+                               if "ms" in r else r["error"])
+                for name, r in kernel["packed_by_tiles"].items()))
 
         def one_rag(**layout) -> None:
             order = docs[:]
@@ -597,19 +639,26 @@ def main() -> None:
         passes = []
         floor_sum = []
         lengths_1 = [rng.randrange(300, 2001) for _ in range(16)]
-        moves = [rng.randrange(1, 150) for _ in range(8)]
-        lengths_2 = [n + (d if i % 2 else -d) for i, (n, d) in enumerate(
-            zip(lengths_1, [m for m in moves for _ in (0, 1)], strict=True))]
-        for lengths in (lengths_1, lengths_2):
+
+        def moved() -> list[int]:
+            moves = [rng.randrange(1, 150) for _ in range(8)]
+            return [n + (d if i % 2 else -d) for i, (n, d) in enumerate(
+                zip(lengths_1, [m for m in moves for _ in (0, 1)], strict=True))]
+
+        # More passes (--mixed-passes) tell a trend (the engine slowing as it runs) from noise.
+        for lengths in [lengths_1] + [moved() for _ in range(args.mixed_passes - 1)]:
             llm.reset_prefix_cache()
             prompts = [{"prompt_token_ids": ids(n, rng)} for n in lengths]
             passes.append(generate(prompts, 32))
             floor_sum.append(sum(prefill_flops(n) for n in lengths) / floors["flops"]
                              + 32 * decode_floor(16, 1150))
-        fig["mixed"] = {"first": passes[0], "second": passes[1], "floors": floor_sum}
+        fig["mixed"] = {"first": passes[0], "second": passes[1], "floors": floor_sum,
+                        "passes": passes}
         rows.append(("mixed: 16 x (300-2000 tokens) x 32 out, 1st / 2nd pass", passes[0], None,
                      floor_sum[0], f"2nd pass {passes[1]:.3f} s (floor {floor_sum[1]:.3f} s)"))
         say(f"mixed: {passes[0]:.3f} s then {passes[1]:.3f} s; floors {floor_sum}")
+        if len(passes) > 2:
+            say("mixed, every pass: " + ", ".join(f"{t:.3f}" for t in passes) + " s")
 
     if "rag" in want:
         # Decode over re-positioned chunks (sequential layout) against the shared layout, batch 32.
@@ -630,9 +679,10 @@ def main() -> None:
 
     variants_at_end = compiled_variants()
     if variants_at_start is not None:
-        fig["kernels_compiled_after_start"] = variants_at_end - variants_at_start
-        say(f"Triton kernel variants compiled after start-up: "
-            f"{variants_at_end - variants_at_start} (of {variants_at_end})")
+        after_start = variants_at_end - variants_at_start - swept_variants
+        fig["kernels_compiled_after_start"] = after_start
+        say(f"Triton kernel variants compiled after start-up: {after_start} (of "
+            f"{variants_at_end}; not counting the tile sweep's own {swept_variants})")
 
     # Free the GPU for the RAG benchmark's engines: the graphs hold the model and the pool,
     # `embed` HF's embedding.

@@ -4,7 +4,8 @@
 # here rather than in a session's notes.
 #
 #   bash benchmarks/gpu_session.sh wheels     # here, once: .whl/ (git-ignored, ~7 MB)
-#   bash benchmarks/gpu_session.sh measure    # device call 1, carry [".whl"]: GPU tests + table
+#   bash benchmarks/gpu_session.sh measure    # device call 1, carry [".whl"]: GPU tests, the
+#                                             # table and ragkv bench's workload
 #   bash benchmarks/gpu_session.sh profile    # device call 2, carry [".whl"]: rag rows with
 #                                             # profiles + the whole suite
 #   bash benchmarks/gpu_session.sh smoke      # here: the same bench commands, tiny, on CPU
@@ -49,7 +50,7 @@ measure)
     # Kernels, graphs and the GPU end-to-end tests first: a failure here makes the table moot.
     python3 -m pytest -q -n 8 -rfE tests/test_triton_kernels.py tests/test_gpu.py \
         tests/test_positions.py tests/test_slot_table.py 2>&1 | tee "$OUT/gpu_tests.log"
-    python3 benchmarks/bench_gpu.py --skip-rag-bench --json "$OUT/gpu.json" 2>&1 \
+    python3 benchmarks/bench_gpu.py --json "$OUT/gpu.json" 2>&1 \
         | tee "$OUT/bench_gpu.log"
     ;;
 profile)
