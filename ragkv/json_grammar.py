@@ -14,12 +14,21 @@ Frames:
                                       10 + k: k hex digits of a \\u escape left,
                                       20 + k: k UTF-8 continuation bytes left,
                                       30-33: a restricted second byte next
+  ("C", sub, count, node)             inside a string of bounded length: `count`
+                                      characters begun so far (counting stops at the
+                                      minimum when there is no maximum); sub as above, and
+                                      40: "\\uD" read (no escaped surrogates)
+  ("F", text, node)                   inside a string of a format, `text` read so far
   ("L", rest)                         the bytes `rest` must follow exactly
   ("N", sub, integer)                 inside a number (sub: see _NUMBER)
+  ("B", text, node)                   inside a number within bounds, `text` read so far
   ("O", node, seen, phase, key)       inside an object: phase 0 after "{", 1 after ",",
                                       2 after a key (`key`, None for a free one), 3 after a value
   ("A", node, count, phase)           inside an array: phase 0 after "[", 1 after a value,
-                                      2 after ","
+                                      2 after ","; `count` values begun (counting stops
+                                      where nothing depends on it any more)
+
+Which texts a bounded number or a formatted string may be is decided in json_scalars.py.
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from urllib.parse import unquote
+
+from .json_scalars import FORMATS, NumberBounds, format_scan, number_complete, number_prefix_ok
 
 # Whitespace between JSON tokens: at most 16 bytes in a row, one newline among them, no
 # carriage return, and one space or tab at most before the top-level value (SentencePiece
@@ -48,14 +59,17 @@ _ESCAPES = frozenset(b'"\\/bfnrt')
 # Number sub-states: what was read so far, and which of them may end the number.
 _MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
 _NUMBER_ENDS = frozenset({_ZERO, _INT, _FRAC, _EXP})
+_NUMBER_BYTES = frozenset(b"-.0123456789")  # what a bounded number is spelled with
 
 # Schema keywords that only annotate: accepted and ignored.
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id",
                           "$comment", "readOnly", "writeOnly", "deprecated", "$defs",
                           "definitions"})
+_BOUNDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+_LENGTHS = frozenset({"minLength", "maxLength"})
 _SUPPORTED = frozenset({"type", "enum", "const", "properties", "required",
-                        "additionalProperties", "items", "minItems", "maxItems", "anyOf",
-                        "allOf", "$ref"}) | _ANNOTATIONS
+                        "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+                        "anyOf", "allOf", "$ref", "format"}) | _BOUNDS | _LENGTHS | _ANNOTATIONS
 _TYPES = ("string", "integer", "number", "boolean", "null", "object", "array")
 
 State = frozenset
@@ -71,9 +85,10 @@ class _Object:
 
 @dataclass(frozen=True, slots=True)
 class _Array:
-    item: int
+    item: int | None  # node of the values after `prefix` (None: no more values)
     min_items: int
     max_items: int | None
+    prefix: tuple[int, ...] = ()  # nodes of the first values, in order (prefixItems)
 
 
 class ByteGrammar:
@@ -91,20 +106,31 @@ class ByteGrammar:
 
     # -- queries --------------------------------------------------------------------------
 
-    @staticmethod
-    def accepting(state: State) -> bool:
+    def accepting(self, state: State) -> bool:
         """Whether the output may end here (a complete value, or a top-level number that
         could also go on)."""
-        return any(not stack or (len(stack) == 1 and stack[0][0] == "N"
-                                 and stack[0][1] in _NUMBER_ENDS)
-                   for stack, _ in state)
+        for stack, _ in state:
+            if not stack:
+                return True
+            if len(stack) == 1:
+                top = stack[0]
+                if top[0] == "N" and top[1] in _NUMBER_ENDS:
+                    return True
+                if top[0] == "B" and number_complete(top[1], self.nodes[top[2]][1]):
+                    return True
+        return False
 
     @staticmethod
-    def string_sub(state: State) -> int | None:
-        """The string sub-state when every alternative is inside a string in the same
-        sub-state (what follows the string may differ), else None."""
-        subs = {stack[-1][1] if stack and stack[-1][0] == "S" else None for stack, _ in state}
-        return next(iter(subs)) if len(subs) == 1 else None
+    def string_frame(state: State) -> tuple | None:
+        """The top frame when every alternative is inside a string ("S", or "C" of bounded
+        length) at the same frame (what follows the string may differ), else None: which
+        tokens stay inside such a string depends on that frame alone."""
+        tops = {stack[-1] if stack and stack[-1][0] in "SC" else None for stack, _ in state}
+        return next(iter(tops)) if len(tops) == 1 else None
+
+    def length_bounds(self, node_id: int) -> tuple[int, int | None]:
+        """minLength and maxLength of a "C" frame's node."""
+        return self.nodes[node_id][1:]
 
     def terminal(self, state: State) -> bool:
         """Whether the output is complete and no byte may follow (a closed object, but also
@@ -148,6 +174,23 @@ class ByteGrammar:
             if sub is not None:
                 out.add((stack[:-1] + (("N", sub, top[2]),), 0))
             elif top[1] in _NUMBER_ENDS:
+                self._advance(stack[:-1], 0, b, out)  # the byte after the number
+        elif kind == "C":
+            self._counted_step(stack, top, b, out)
+        elif kind == "F":
+            _, text, node_id = top
+            fmt = self.nodes[node_id][1]
+            if b == ord('"'):
+                if format_scan(fmt, text) == 1:
+                    out.add((stack[:-1], 0))
+            elif 0x20 < b < 0x7F and b != ord("\\") and format_scan(fmt, text + chr(b)) >= 0:
+                out.add((stack[:-1] + (("F", text + chr(b), node_id),), 0))
+        elif kind == "B":
+            _, text, node_id = top
+            bounds = self.nodes[node_id][1]
+            if b in _NUMBER_BYTES and number_prefix_ok(text + chr(b), bounds):
+                out.add((stack[:-1] + (("B", text + chr(b), node_id),), 0))
+            elif number_complete(text, bounds):
                 self._advance(stack[:-1], 0, b, out)  # the byte after the number
         elif b in _WHITESPACE:
             newline = b == ord("\n")
@@ -197,6 +240,15 @@ class ByteGrammar:
         elif kind == "number":
             if b == ord("-") or b in _DIGITS:
                 out.add((below + (("N", _number_start(b), node[1]),), 0))
+        elif kind == "counted":
+            if b == ord('"'):
+                out.add((below + (("C", 0, 0, node_id),), 0))
+        elif kind == "format":
+            if b == ord('"'):
+                out.add((below + (("F", "", node_id),), 0))
+        elif kind == "bounded":
+            if b in b"-0123456789" and number_prefix_ok(chr(b), node[1]):
+                out.add((below + (("B", chr(b), node_id),), 0))
         else:  # literal alternatives
             for word in node[1]:
                 if word[0] == b:
@@ -221,21 +273,44 @@ class ByteGrammar:
         elif phase in (0, 3) and b == ord("}") and spec.required <= seen:
             out.add((below, 0))
 
+    def _counted_step(self, stack: tuple, top: tuple, b: int, out: set) -> None:
+        _, sub, count, node_id = top
+        low, high = self.length_bounds(node_id)
+        if sub == 0 and b == ord('"'):
+            if count >= low:
+                out.add((stack[:-1], 0))
+            return
+        nxt = counted_string_step(sub, b)
+        if nxt is None or nxt < 0:
+            return
+        if sub == 0:  # a character begins (a plain byte, a UTF-8 lead or a backslash)
+            count += 1
+            if high is None:
+                count = min(count, low)  # past the minimum nothing depends on the count
+            elif count > high:
+                return
+        out.add((stack[:-1] + (("C", nxt, count, node_id),), 0))
+
     def _array_step(self, stack: tuple, top: tuple, b: int, out: set) -> None:
         _, node_id, count, phase = top
         spec: _Array = self.nodes[node_id][1]
         below = stack[:-1]
+        more = (spec.max_items is None or count < spec.max_items) and (
+            spec.item is not None or count < len(spec.prefix))
         if phase == 1 and b == ord(","):
-            if spec.max_items is None or count < spec.max_items:
+            if more:
                 out.add((below + (("A", node_id, count, 2),), 0))
         elif phase in (0, 1) and b == ord("]"):
             if count >= spec.min_items:
                 out.add((below, 0))
-        elif phase in (0, 2) and (spec.max_items is None or count < spec.max_items):
-            # A value starts. Counting past min_items changes nothing without a maximum, so
-            # the count stops there (fewer distinct states).
-            count = count + 1 if spec.max_items is not None or count < spec.min_items else count
-            self._start_value(below + (("A", node_id, count, 1),), spec.item, b, out)
+        elif phase in (0, 2) and more:
+            # A value starts: its node is the prefix's while there is one. Counting past
+            # min_items and the prefix changes nothing without a maximum, so the count stops
+            # there (fewer distinct states).
+            item = spec.prefix[count] if count < len(spec.prefix) else spec.item
+            if spec.max_items is not None or count < max(spec.min_items, len(spec.prefix)):
+                count += 1
+            self._start_value(below + (("A", node_id, count, 1),), item, b, out)
 
 
 def string_step(sub: int, b: int) -> int | None:
@@ -278,6 +353,17 @@ def string_step(sub: int, b: int) -> int | None:
 _NARROW_LEADS = {0xE0: (30,), 0xED: (31,), 0xF0: (32,), 0xF4: (33,)}
 _NARROW_SECOND = {30: (0xA0, 0xBF, 21), 31: (0x80, 0x9F, 21), 32: (0x90, 0xBF, 22),
                   33: (0x80, 0x8F, 22)}
+
+
+def counted_string_step(sub: int, b: int) -> int | None:
+    """string_step for strings of bounded length, which refuse a surrogate spelled as a
+    \\u escape (\\uD800-\\uDFFF; JSON Schema counts an escaped pair as one character):
+    sub-state 40 is "\\uD" read, and the next hex digit must be 0-7."""
+    if sub == 14 and b in b"dD":
+        return 40
+    if sub == 40:
+        return 12 if b in b"01234567" else -1
+    return string_step(sub, b)
 
 
 def _number_start(b: int) -> int:
@@ -446,11 +532,11 @@ class _SchemaCompiler:
             return g.add(("literal", words))
         kind = schema.get("type")
         if kind is None:
-            if set(schema) & _TYPE_KEYWORDS["object"]:
-                kind = "object"
-            elif set(schema) & _TYPE_KEYWORDS["array"]:
-                kind = "array"
-            else:
+            # A type's keywords without a type: held to that type (as required and minItems
+            # always were), not "any value, and this rule if it is of that type".
+            kind = next((t for t in ("object", "array", "string", "number")
+                         if set(schema) & _TYPE_KEYWORDS[t]), None)
+            if kind is None:
                 return self.node(True, where)
         if isinstance(kind, list):
             if not kind:
@@ -467,8 +553,10 @@ class _SchemaCompiler:
             raise ValueError(f"json schema at {where}: {extra[0]!r} does not apply to type "
                              f"{kind!r}")
         if kind == "string":
-            return g.add(("string",))
+            return self._string(schema, where)
         if kind in ("integer", "number"):
+            if set(schema) & _BOUNDS:
+                return g.add(("bounded", NumberBounds.of(schema, kind == "integer", where)))
             return g.add(("number", kind == "integer"))
         if kind == "boolean":
             return g.add(("literal", (b"true", b"false")))
@@ -478,18 +566,39 @@ class _SchemaCompiler:
             return self._array(schema, where)
         return self._object(schema, where)
 
+    def _string(self, schema: dict, where: str) -> int:
+        low, high = _counts(schema, "minLength", "maxLength", where)
+        if "format" in schema:
+            fmt = schema["format"]
+            if fmt not in FORMATS:
+                raise ValueError(f"json schema at {where}: format {fmt!r:.40} is not "
+                                 f"supported; supported: {', '.join(FORMATS)}")
+            if set(schema) & _LENGTHS:
+                raise ValueError(f"json schema at {where}: minLength or maxLength beside "
+                                 "format is not supported")
+            return self.g.add(("format", fmt))
+        if (low, high) == (0, None):
+            return self.g.add(("string",))
+        return self.g.add(("counted", low, high))
+
     def _array(self, schema: dict, where: str) -> int:
-        low = schema.get("minItems", 0)
-        high = schema.get("maxItems")
-        for name, value in (("minItems", low), ("maxItems", high)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 0):
-                raise ValueError(f"json schema at {where}: {name} must be an integer >= 0")
-        if high is not None and high < low:
-            raise ValueError(f"json schema at {where}: maxItems {high} < minItems {low}")
+        low, high = _counts(schema, "minItems", "maxItems", where)
+        prefix = schema.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise ValueError(f"json schema at {where}: prefixItems must be a list of schemas")
+        items = schema.get("items", True)
+        if isinstance(items, list):
+            raise ValueError(f"json schema at {where}: items as a list (draft 4's tuples) is "
+                             "not supported; use prefixItems")
+        if items is False:  # nothing after the prefix
+            if low > len(prefix):
+                raise ValueError(f"json schema at {where}: minItems {low} with items false "
+                                 f"and {len(prefix)} prefixItems")
+            high = len(prefix) if high is None else min(high, len(prefix))
         node_id = self.g.add(("array", None))
-        item = self.node(schema.get("items", True), f"{where}/items")
-        self.g.nodes[node_id] = ("array", _Array(item, low, high))
+        nodes = tuple(self.node(p, f"{where}/prefixItems/{i}") for i, p in enumerate(prefix))
+        item = None if items is False else self.node(items, f"{where}/items")
+        self.g.nodes[node_id] = ("array", _Array(item, low, high, nodes))
         return node_id
 
     def _object(self, schema: dict, where: str) -> int:
@@ -541,6 +650,18 @@ class _SchemaCompiler:
         return placeholder
 
 
+def _counts(schema: dict, low_key: str, high_key: str, where: str) -> tuple[int, int | None]:
+    """A pair of count keywords (minItems / maxItems, minLength / maxLength), checked."""
+    low, high = schema.get(low_key, 0), schema.get(high_key)
+    for name, value in ((low_key, low), (high_key, high)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise ValueError(f"json schema at {where}: {name} must be an integer >= 0")
+    if high is not None and high < low:
+        raise ValueError(f"json schema at {where}: {high_key} {high} < {low_key} {low}")
+    return low, high
+
+
 def _is_type(value: object, kind: str) -> bool:
     if kind == "integer":
         return isinstance(value, int) and not isinstance(value, bool)
@@ -551,7 +672,7 @@ def _is_type(value: object, kind: str) -> bool:
 
 
 _TYPE_KEYWORDS = {
-    "string": set(), "integer": set(), "number": set(), "boolean": set(), "null": set(),
-    "array": {"items", "minItems", "maxItems"},
+    "string": _LENGTHS | {"format"}, "integer": _BOUNDS, "number": _BOUNDS, "boolean": set(),
+    "null": set(), "array": {"items", "prefixItems", "minItems", "maxItems"},
     "object": {"properties", "required", "additionalProperties"},
 }

@@ -24,6 +24,7 @@ from .json_grammar import (
     ByteGrammar,
     State,
     choice_grammar,
+    counted_string_step,
     json_object_grammar,
     json_schema_grammar,
     string_step,
@@ -182,32 +183,44 @@ class TokenVocabulary:
                     self.ends.append([])
                 node = nxt
             self.ends[node].append(tid)
-        self._in_string: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self._in_string: dict[tuple[int, bool], tuple] = {}
 
-    def in_string(self, sub: int) -> tuple[torch.Tensor, list[int]]:
-        """From string sub-state `sub`: the mask of tokens that stay inside the string, and
-        the ids of those that close it (valid up to the closing quote). Inside a string most
-        of the vocabulary is allowed, so a trie walk would visit nearly all of it; this
-        leaves the grammar only the few tokens with a closing quote."""
-        cached = self._in_string.get(sub)
+    def in_string(self, sub: int, counted: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+        """From string sub-state `sub`: the mask of tokens that stay inside the string, how
+        many characters each of them begins (`counted`, for strings of bounded length: None
+        otherwise) and the ids of those that close it (valid up to the closing quote). Inside
+        a string most of the vocabulary is allowed, so a trie walk would visit nearly all of
+        it; this leaves the grammar only the few tokens with a closing quote."""
+        cached = self._in_string.get((sub, counted))
         if cached is None:
+            step = counted_string_step if counted else string_step
             inside: list[int] = []
+            chars: list[int] = []
             closing: list[int] = []
             for tid, data in enumerate(self.bytes_of):
                 if not data:
                     continue
                 s: int | None = sub
+                begun = 0
                 for b in data:
-                    s = string_step(s, b)
+                    begun += s == 0 and b != ord('"')  # a character begins (as _counted_step)
+                    s = step(s, b)
                     if s is None or s < 0:
                         break
                 if s is None:
                     closing.append(tid)
                 elif s >= 0:
                     inside.append(tid)
+                    chars.append(begun)
+            ids = torch.tensor(inside, dtype=torch.int64)
             mask = torch.zeros(self.size, dtype=torch.bool)
-            mask[torch.tensor(inside, dtype=torch.int64)] = True
-            cached = self._in_string[sub] = (mask, closing)
+            mask[ids] = True
+            counts = None
+            if counted:
+                counts = torch.zeros(self.size, dtype=torch.int32)
+                counts[ids] = torch.tensor(chars, dtype=torch.int32)
+            cached = self._in_string[(sub, counted)] = (mask, counts, closing)
         return cached
 
 
@@ -285,10 +298,13 @@ class TokenGrammar:
         return mask
 
     def _compute_mask(self, sid: int) -> torch.Tensor:
-        sub = self.grammar.string_sub(self._states[sid])
-        if sub is not None:
-            inside, closing = self.vocab.in_string(sub)
-            mask = inside.clone()
+        frame = self.grammar.string_frame(self._states[sid])
+        if frame is not None:
+            counted = frame[0] == "C"
+            inside, chars, closing = self.vocab.in_string(frame[1], counted)
+            high = self.grammar.length_bounds(frame[3])[1] if counted else None
+            # A string of bounded length: the tokens that stay inside and fit what is left.
+            mask = inside.clone() if high is None else inside & (chars <= high - frame[2])
             ends = [t for t in closing if self.advance(sid, t) >= 0]
             if ends:
                 mask[torch.tensor(ends)] = True

@@ -84,8 +84,8 @@ def test_generate_with_structured_outputs(tmp_path):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["text"] in ("left", "right")
     r = ragkv("generate", "--model", "builtin:tiny", "--prompt", "q", "--json-schema",
-              '{"type": "string", "format": "date"}')
-    assert r.returncode == 2 and "'format'" in r.stderr
+              '{"type": "string", "format": "email"}')
+    assert r.returncode == 2 and "format 'email' is not supported" in r.stderr
     r = ragkv("generate", "--model", "builtin:tiny", "--prompt", "q", "--json-object",
               "--choice", "a")
     assert r.returncode == 2 and "not allowed with" in r.stderr

@@ -8,9 +8,12 @@ cannot enforce, choices, and the whitespace bound. The token layer: test_structu
 from __future__ import annotations
 
 import copy
+import datetime
 import json
+import math
 import random
 import re
+import uuid
 
 import pytest
 
@@ -319,14 +322,14 @@ def test_valid_utf8_edges_in_strings(jm, text):
     assert jm.matches(json.dumps([text], ensure_ascii=False).encode())
 
 
-def test_string_sub_state(jm):
-    """string_sub (what the token layer keys its string-token cache on) inside a string."""
+def test_string_frame(jm):
+    """string_frame (what the token layer keys its string-token cache on) inside a string."""
     expected = {b"[": None, b'["': 0, b'["a': 0, b'["\\': 1, b'["\\u': 14, b'["\\u0': 13,
                 b'["\\u00e9': 0, b'["\xc3': 21, b'["\xe2': 22, b'["\xf1': 23, b'["\xf1\x9f': 22,
                 b'["\xe0': 30, b'["\xed': 31, b'["\xf0': 32, b'["\xf4': 33, b'["\xf0\x9f': 22,
                 b'["a"': None, b'{"': 0}
     for data, sub in expected.items():
-        assert jm.string_sub(walk(jm, data)[-1]) == sub, data
+        assert jm.string_frame(walk(jm, data)[-1]) == (None if sub is None else ("S", sub)), data
 
 
 # -- whitespace bound ----------------------------------------------------------------------
@@ -433,7 +436,28 @@ MIXED = {
     ]},
 }
 
-SCHEMAS = {"person": PERSON, "tree": TREE, "mixed": MIXED}
+# As pydantic writes Field(ge=0, le=1), Field(gt=0, le=100), constr lengths, date / datetime
+# / time / UUID fields and tuple[int, str].
+SCALARS = {
+    "title": "Answer", "type": "object",
+    "properties": {
+        "confidence": {"maximum": 1, "minimum": 0, "title": "Confidence", "type": "number"},
+        "page": {"exclusiveMinimum": 0, "maximum": 100, "type": "integer"},
+        "delta": {"anyOf": [{"exclusiveMaximum": 0, "minimum": -2.5, "type": "number"},
+                            {"type": "null"}], "default": None},
+        "quote": {"maxLength": 12, "minLength": 1, "type": "string"},
+        "code": {"minLength": 2, "type": "string"},
+        "day": {"format": "date", "type": "string"},
+        "at": {"format": "date-time", "type": "string"},
+        "alarm": {"format": "time", "type": "string"},
+        "id": {"format": "uuid", "type": "string"},
+        "pair": {"maxItems": 2, "minItems": 2, "type": "array",
+                 "prefixItems": [{"type": "integer"}, {"maxLength": 3, "type": "string"}]},
+    },
+    "required": ["confidence", "page", "quote", "day", "pair"],
+}
+
+SCHEMAS = {"person": PERSON, "tree": TREE, "mixed": MIXED, "scalars": SCALARS}
 
 
 def resolve(root: dict, schema: dict) -> dict:
@@ -462,8 +486,17 @@ def random_instance(rng: random.Random, root: dict, schema, depth: int = 0):
     kind = schema["type"]
     if isinstance(kind, list):
         kind = rng.choice(kind)
+    if kind == "string" and "format" in schema:
+        return random_formatted(rng, schema["format"])
+    if kind == "string" and ("minLength" in schema or "maxLength" in schema):
+        low = schema.get("minLength", 0)
+        return "".join(rng.choice(_CHARS) for _ in range(
+            rng.randint(low, schema.get("maxLength", low + 4))))
     if kind == "string":
         return random_string(rng)
+    if kind in ("integer", "number") and set(schema) & {"minimum", "exclusiveMinimum",
+                                                         "maximum", "exclusiveMaximum"}:
+        return random_bounded(rng, schema)
     if kind == "integer":
         return rng.choice([0, -1, 7, rng.randint(-10**12, 10**12)])
     if kind == "number":
@@ -475,8 +508,10 @@ def random_instance(rng: random.Random, root: dict, schema, depth: int = 0):
     if kind == "array":
         low, high = schema.get("minItems", 0), schema.get("maxItems")
         high = (low + 3 if high is None else high) if depth < 3 else low
-        return [random_instance(rng, root, schema.get("items", {}), depth + 1)
-                for _ in range(rng.randint(low, high))]
+        prefix = schema.get("prefixItems", [])
+        return [random_instance(rng, root, prefix[i] if i < len(prefix)
+                                else schema.get("items", {}), depth + 1)
+                for i in range(rng.randint(low, high))]
     props = schema.get("properties", {})
     extra = schema.get("additionalProperties", False)
     names = [n for n in props if n in schema.get("required", []) or rng.random() < 0.5]
@@ -487,6 +522,28 @@ def random_instance(rng: random.Random, root: dict, schema, depth: int = 0):
     items = list(out.items())
     rng.shuffle(items)
     return dict(items)
+
+
+def random_formatted(rng: random.Random, fmt: str) -> str:
+    day = datetime.date(1, 1, 1) + datetime.timedelta(days=rng.randrange(3_652_059))
+    clock = (f"{rng.randrange(24):02d}:{rng.randrange(60):02d}:{rng.randrange(60):02d}"
+             + rng.choice(["", f".{rng.randrange(10 ** 6):06d}"[:rng.randint(2, 7)]])
+             + rng.choice(["Z", f"{rng.choice('+-')}{rng.randrange(24):02d}:"
+                                f"{rng.randrange(60):02d}"]))
+    return {"date": day.isoformat(), "time": clock, "date-time": f"{day.isoformat()}T{clock}",
+            "uuid": str(uuid.UUID(int=rng.getrandbits(128)))}[fmt]
+
+
+def random_bounded(rng: random.Random, schema: dict):
+    """A number within the schema's bounds, written with at most 4 decimals."""
+    low = schema.get("minimum", schema.get("exclusiveMinimum", -1000))
+    high = schema.get("maximum", schema.get("exclusiveMaximum", 1000))
+    while True:
+        value = (rng.randint(math.ceil(low), math.floor(high)) if schema["type"] == "integer"
+                 else rng.choice([low, high, round(rng.uniform(low, high), rng.randint(0, 4))]))
+        if (value > schema.get("exclusiveMinimum", -math.inf)
+                and value < schema.get("exclusiveMaximum", math.inf)):
+            return value
 
 
 @pytest.fixture(scope="module")
@@ -725,7 +782,7 @@ def test_no_dead_ends_on_random_walks(grammars, name):
     g = json_object_grammar() if name == "json" else grammars[name]
     text = json.dumps(SCHEMAS.get(name, {}), ensure_ascii=False)
     keys = bytes(sorted(set(text.encode()) - set(b" \t\n\r")))
-    finish = b'}]"0:,' + bytes(sorted(set(b'{[123456789.eE-+truefalsn\\') | set(keys)))
+    finish = b'}]"0:,' + bytes(sorted(set(b'{[123456789.eE-+truefalsnTZ\\') | set(keys)))
     step_bytes = finish + b" \n"
     rng = random.Random(name)
     for _ in range(12):
@@ -743,19 +800,15 @@ def test_no_dead_ends_on_random_walks(grammars, name):
 
 @pytest.mark.parametrize("schema, keyword", [
     ({"type": "string", "pattern": "^a+$"}, "pattern"),
-    ({"type": "string", "format": "date-time"}, "format"),
-    ({"type": "string", "minLength": 1}, "minLength"),
-    ({"type": "string", "maxLength": 9}, "maxLength"),
     ({"oneOf": [{"type": "integer"}, {"type": "null"}]}, "oneOf"),
-    ({"type": "integer", "minimum": 0}, "minimum"),
     ({"type": "number", "multipleOf": 2}, "multipleOf"),
     ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties"),
-    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "prefixItems"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
     ({"type": "array", "uniqueItems": True}, "uniqueItems"),
     ({"not": {"type": "null"}}, "not"),
     # deep down: in a property, in items, behind a $ref, in an anyOf branch
-    ({"type": "object", "properties": {"a": {"type": "integer", "exclusiveMaximum": 3}}},
-     "exclusiveMaximum"),
+    ({"type": "object", "properties": {"a": {"type": "integer", "multipleOf": 3}}},
+     "multipleOf"),
     ({"type": "array", "items": {"type": "string", "contentEncoding": "base64"}},
      "contentEncoding"),
     ({"$defs": {"X": {"type": "object", "propertyNames": {}}}, "$ref": "#/$defs/X"},
@@ -798,7 +851,19 @@ def test_unsupported_keywords_are_named(schema, keyword):
     ({"type": "array", "minItems": 1.5}, "minItems must be an integer >= 0"),
     ({"type": "array", "maxItems": True}, "maxItems must be an integer >= 0"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems 2 < minItems 3"),
-    ({"type": "array", "items": [{}]}, "must be an object or a boolean"),
+    ({"type": "array", "items": [{}]}, "items as a list (draft 4's tuples)"),
+    ({"type": "array", "prefixItems": {}}, "prefixItems must be a list"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2},
+     "minItems 2 with items false and 1 prefixItems"),
+    ({"type": "string", "format": "email"}, "format 'email' is not supported"),
+    ({"type": "string", "format": "date", "maxLength": 10}, "beside format"),
+    ({"type": "string", "minLength": -1}, "minLength must be an integer >= 0"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "maxLength 2 < minLength 3"),
+    ({"type": "integer", "minimum": "0"}, "minimum must be a finite number"),
+    ({"type": "number", "exclusiveMinimum": True}, "exclusiveMinimum must be a finite number"),
+    ({"type": "integer", "minimum": 0.2, "maximum": 0.8}, "no integer lies within"),
+    ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number lies within"),
+    ({"minLength": 2, "enum": ["ab"]}, "'minLength' beside enum"),
     ({"type": "object", "properties": {"a": False}}, "is false"),
     (False, "is false"),
     ([], "must be an object"),

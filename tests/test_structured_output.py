@@ -5,6 +5,7 @@ and bad constraints as clear errors. The byte automata alone: test_json_grammar.
 
 from __future__ import annotations
 
+import datetime
 import json
 
 import pytest
@@ -34,6 +35,19 @@ OPEN = {"type": "object", "properties": {"name": {"type": "string"},
                                          "next": {"anyOf": [{"type": "null"},
                                                             {"type": "number"}]}},
         "required": ["name"]}
+
+
+# Bounds, lengths, formats and a tuple, every value bounded: samples end by themselves.
+SCALARS = {"type": "object",
+           "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1},
+                          "n": {"type": "integer", "exclusiveMinimum": -20, "maximum": 300},
+                          "s": {"type": "string", "minLength": 2, "maxLength": 6},
+                          "d": {"type": "string", "format": "date-time"},
+                          "t": {"type": "array", "items": False,
+                                "prefixItems": [{"type": "integer", "minimum": 0,
+                                                 "maximum": 9},
+                                                {"type": "string", "maxLength": 3}]}},
+           "required": ["p", "s", "d"]}
 
 
 def tokens(n: int, seed: int) -> dict:
@@ -75,6 +89,9 @@ def brute_force_mask(grammar: TokenGrammar, sid: int) -> torch.Tensor:
      '{"n": -12, "name": "a \\"b\\" \\u00e9 é\\n", "next": 1.5e-3}'),
     (StructuredOutputsParams(json_object=True), '[{"a": [1, {"b": "c d"}]}, "é", true, null]'),
     (StructuredOutputsParams(choice=["yes", "yes sir", "no"]), "yes sir"),
+    (StructuredOutputsParams(json=SCALARS),
+     '{"p": 0.25, "n": -19, "s": "é\\n\\u00e9x", "d": "2024-02-29T23:59:59.5+05:30", '
+     '"t": [7, "ab"]}'),
 ])
 def test_masks_equal_a_token_by_token_check(llm, params, text):
     """Along a document, byte by byte (so string states with escapes and multi-byte
@@ -198,6 +215,28 @@ def test_sampled_outputs_follow_the_schema(llm):
             [], ["x"], ["x", "x"])
         texts.add(sample.text)
     assert len(texts) > 1  # sampling varied within the constraint
+
+
+def test_sampled_outputs_keep_bounds_lengths_and_formats(llm):
+    """Sampled at temperature 1.5 under SCALARS: each sample ends by itself and its values
+    pass Python's own checks (comparisons, len, datetime.fromisoformat)."""
+    params = SamplingParams(n=6, temperature=1.5, seed=5, max_tokens=400,
+                            structured_outputs=StructuredOutputsParams(json=SCALARS))
+    out = llm.generate(tokens(7, seed=32), params, use_tqdm=False)[0]
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        value = json.loads(sample.text)
+        assert {"p", "s", "d"} <= set(value) <= set(SCALARS["properties"])
+        assert 0 <= value["p"] <= 1 and not isinstance(value["p"], bool)
+        assert 2 <= len(value["s"]) <= 6
+        assert datetime.datetime.fromisoformat(value["d"]).tzinfo is not None
+        if "n" in value:
+            assert isinstance(value["n"], int) and -20 < value["n"] <= 300
+        if "t" in value:
+            assert len(value["t"]) <= 2 and all(
+                check(v) for check, v in zip((lambda v: isinstance(v, int) and 0 <= v <= 9,
+                                              lambda v: isinstance(v, str) and len(v) <= 3),
+                                             value["t"], strict=False))
 
 
 def test_choice_and_json_object(llm):
