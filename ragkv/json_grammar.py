@@ -531,7 +531,8 @@ class _SchemaCompiler:
                                  f"data: {e}") from None
             return g.add(("literal", words))
         kind = schema.get("type")
-        if kind is None:
+        implied = kind is None
+        if implied:
             # A type's keywords without a type: held to that type (as required and minItems
             # always were), not "any value, and this rule if it is of that type".
             kind = next((t for t in ("object", "array", "string", "number")
@@ -551,7 +552,8 @@ class _SchemaCompiler:
         extra = sorted(set(schema) - _ANNOTATIONS - {"type"} - _TYPE_KEYWORDS[kind])
         if extra:
             raise ValueError(f"json schema at {where}: {extra[0]!r} does not apply to type "
-                             f"{kind!r}")
+                             f"{kind!r}" + (" (implied by its other keywords: no type is "
+                                            "given)" if implied else ""))
         if kind == "string":
             return self._string(schema, where)
         if kind in ("integer", "number"):
@@ -652,11 +654,11 @@ class _SchemaCompiler:
 
 def _counts(schema: dict, low_key: str, high_key: str, where: str) -> tuple[int, int | None]:
     """A pair of count keywords (minItems / maxItems, minLength / maxLength), checked."""
-    low, high = schema.get(low_key, 0), schema.get(high_key)
-    for name, value in ((low_key, low), (high_key, high)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 0):
+    for name in (low_key, high_key):
+        value = schema.get(name, 0)  # present: null is as wrong as -1
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"json schema at {where}: {name} must be an integer >= 0")
+    low, high = schema.get(low_key, 0), schema.get(high_key)
     if high is not None and high < low:
         raise ValueError(f"json schema at {where}: {high_key} {high} < {low_key} {low}")
     return low, high
@@ -671,8 +673,11 @@ def _is_type(value: object, kind: str) -> bool:
     return value is None if kind == "null" else python is not None and isinstance(value, python)
 
 
+# `format` on a number (OpenAPI's int64, double) is accepted and has no effect: JSON Schema
+# applies formats to strings only.
 _TYPE_KEYWORDS = {
-    "string": _LENGTHS | {"format"}, "integer": _BOUNDS, "number": _BOUNDS, "boolean": set(),
-    "null": set(), "array": {"items", "prefixItems", "minItems", "maxItems"},
+    "string": _LENGTHS | {"format"}, "integer": _BOUNDS | {"format"},
+    "number": _BOUNDS | {"format"}, "boolean": set(), "null": set(),
+    "array": {"items", "prefixItems", "minItems", "maxItems"},
     "object": {"properties", "required", "additionalProperties"},
 }

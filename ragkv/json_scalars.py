@@ -10,9 +10,10 @@ spelling, a subset of the valid instances (as the grammar's whitespace is):
   counting a 0 before the point; zeros after it count). Python, JavaScript and most
   validators parse such a number as a double; at most 15 significant digits make comparing
   the decimal text with the bound's shortest decimal spelling give the same answer as
-  comparing the doubles. An integer spelling is compared exactly with the bound's
-  exact value, as Python compares an int with a float (JavaScript's double rounding can
-  only admit more);
+  comparing the doubles. An integer spelling (at most 400 digits) must lie within the
+  bounds both exactly, as Python compares an int with a bound, and as a double, as
+  JavaScript and pydantic's float fields compare: below 2**53 the two agree; above it an
+  exclusive bound also excludes the integers whose double rounds onto it;
 - formats are RFC 3339 / RFC 4122 with uppercase "T" and "Z", fractions of a second of at
   most 6 digits (what Python's and pydantic's parsers keep), no leap second, no escapes;
 - strings of bounded length spell no surrogate as a \\u escape: JSON Schema counts code
@@ -22,11 +23,14 @@ spelling, a subset of the valid instances (as the grammar's whitespace is):
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
-# Digits of a bounded number written with a fraction (see above).
+# Digits of a bounded number written with a fraction, and of one without (see above; Python
+# refuses to convert longer digit strings than 4,300, and a model that repeats digits stops).
 MAX_DIGITS = 15
+MAX_WHOLE_DIGITS = 400
 # Digits of a fraction of a second in the time formats (microseconds).
 MAX_SECOND_DIGITS = 6
 FORMATS = ("date", "date-time", "time", "uuid")
@@ -58,11 +62,15 @@ class Interval:
                         None if self.low is None else -self.low, self.low_open)
 
 
+_End = tuple[Fraction, bool]  # a bound's value and whether it is exclusive
+
+
 @dataclass(frozen=True, slots=True)
 class NumberBounds:
-    """A number schema's bounds. `exact` holds the bounds' exact values (what an integer
-    spelling is compared with), `decimal` their shortest decimal spellings (what a spelling
-    with a fraction is compared with, see the module's note)."""
+    """A number schema's bounds. `exact` holds what an integer spelling is compared with (the
+    tighter of the bounds' exact values and their doubles' limits), `decimal` the bounds'
+    shortest decimal spellings (what a spelling with a fraction is compared with); see the
+    module's note."""
 
     integer: bool
     exact: Interval
@@ -70,7 +78,8 @@ class NumberBounds:
 
     @staticmethod
     def of(schema: dict, integer: bool, where: str) -> NumberBounds:
-        ends: dict[str, tuple[Fraction, Fraction, bool]] = {}
+        whole: dict[str, _End | None] = {"low": None, "high": None}
+        decimal: dict[str, _End | None] = {"low": None, "high": None}
         for side, keys in (("low", ("minimum", "exclusiveMinimum")),
                            ("high", ("maximum", "exclusiveMaximum"))):
             for key in keys:
@@ -81,25 +90,53 @@ class NumberBounds:
                         isinstance(value, float) and not math.isfinite(value)):
                     raise ValueError(f"json schema at {where}: {key} must be a finite number, "
                                      f"got {value!r:.40}")
-                exact = Fraction(value)
-                decimal = Fraction(repr(value)) if isinstance(value, float) else exact
                 open_ = key.startswith("exclusive")
-                old = ends.get(side)
-                # Both given: the tighter one holds.
-                tighter = old is None or (exact > old[0] if side == "low" else exact < old[0])
-                if tighter or (exact == old[0] and open_):
-                    ends[side] = (exact, decimal, open_)
-        low, high = ends.get("low"), ends.get("high")
-        bounds = NumberBounds(
-            integer,
-            Interval(low and low[0], bool(low and low[2]), high and high[0],
-                     bool(high and high[2])),
-            Interval(low and low[1], bool(low and low[2]), high and high[1],
-                     bool(high and high[2])))
+                exact = Fraction(value)
+                shortest = Fraction(repr(value)) if isinstance(value, float) else exact
+                # Both of a side given (minimum and exclusiveMinimum): the tighter holds.
+                whole[side] = _tighter(side, whole[side], _tighter(
+                    side, (exact, open_), _double_end(value, side, open_)))
+                decimal[side] = _tighter(side, decimal[side], (shortest, open_))
+
+        def interval(ends: dict[str, _End | None]) -> Interval:
+            low, high = ends["low"], ends["high"]
+            return Interval(low and low[0], bool(low and low[1]), high and high[0],
+                            bool(high and high[1]))
+
+        bounds = NumberBounds(integer, interval(whole), interval(decimal))
         if not number_prefix_ok("", bounds):
-            kind = "integer" if integer else "number"
-            raise ValueError(f"json schema at {where}: no {kind} lies within its bounds")
+            spelled = ("with at most 400 digits" if integer else "without an exponent, with "
+                       "at most 15 digits beside a fraction (400 without one)")
+            raise ValueError(f"json schema at {where}: no {'integer' if integer else 'number'} "
+                             f"{spelled} lies within its bounds")
         return bounds
+
+
+def _tighter(side: str, a: _End | None, b: _End | None) -> _End | None:
+    if a is None or b is None:
+        return a or b
+    if a[0] != b[0]:
+        return a if (a[0] > b[0]) == (side == "low") else b
+    return a if a[1] else b
+
+
+def _double_end(value: int | float, side: str, open_: bool) -> _End | None:
+    """Where the integers end whose doubles compare within the bound as doubles do. The last
+    double admitted is the bound's (or, exclusive, its neighbour inside); an integer rounds
+    to it up to the midpoint to the next double out, and at the midpoint to the one of even
+    mantissa (round half to even, as float() and JavaScript parse). None: beyond every
+    double."""
+    try:
+        d = float(value)
+    except OverflowError:
+        return None
+    out = math.inf if side == "high" else -math.inf
+    last = math.nextafter(d, -out) if open_ else d
+    beyond = math.nextafter(last, out)
+    far = Fraction(2 ** 1024) * (1 if side == "high" else -1)  # where doubles overflow
+    mid = (Fraction(last) + (far if math.isinf(beyond) else Fraction(beyond))) / 2
+    even = struct.unpack("<q", struct.pack("<d", last))[0] % 2 == 0
+    return mid, not even
 
 
 def _spelling_ok(text: str, integer: bool) -> bool:
@@ -111,7 +148,7 @@ def _spelling_ok(text: str, integer: bool) -> bool:
         return False
     if not all(c in _DIGITS for c in whole + frac):
         return False
-    if len(whole) > 1 and whole[0] == "0":
+    if (len(whole) > 1 and whole[0] == "0") or len(whole) > MAX_WHOLE_DIGITS:
         return False
     return not dot or len(frac) + (0 if whole == "0" else len(whole)) <= MAX_DIGITS
 
@@ -146,11 +183,13 @@ def number_prefix_ok(text: str, bounds: NumberBounds) -> bool:
     if start == 0:  # 0 itself, or 0.xxx
         return exact.admits(Fraction(0)) or (not bounds.integer and _grid_hits(
             Fraction(0), Fraction(1, 10 ** MAX_DIGITS), Fraction(1), decimal))
-    if exact.high is None and decimal.high is None:
-        return True  # more digits reach past any lower bound
-    top = max(v for v in (exact.high, decimal.high) if v is not None)
-    j = 0
-    while start * 10 ** j <= top:  # j more integer digits: [start 10^j, (start + 1) 10^j)
+    highs = [v for v in (exact.high, decimal.high) if v is not None]
+    top = max(highs) if highs else Fraction(10 ** MAX_WHOLE_DIGITS)
+    # j more integer digits reach [start 10^j, (start + 1) 10^j): below a lower bound of D
+    # digits while len(body) + j < D, so those are skipped (a bound of 1e300 is 300 steps).
+    lows = [v for v in (exact.low, decimal.low) if v is not None and v > 0]
+    j = max(0, len(str(int(min(lows)))) - len(body) - 1) if lows else 0
+    while start * 10 ** j <= top and len(body) + j <= MAX_WHOLE_DIGITS:
         low, end = Fraction(start * 10 ** j), Fraction((start + 1) * 10 ** j)
         if _grid_hits(low, Fraction(1), end, exact):
             return True

@@ -89,6 +89,9 @@ def brute_force_mask(grammar: TokenGrammar, sid: int) -> torch.Tensor:
      '{"n": -12, "name": "a \\"b\\" \\u00e9 é\\n", "next": 1.5e-3}'),
     (StructuredOutputsParams(json_object=True), '[{"a": [1, {"b": "c d"}]}, "é", true, null]'),
     (StructuredOutputsParams(choice=["yes", "yes sir", "no"]), "yes sir"),
+    # A maximum past int32 (the per-token counts' type) is no limit, not a wrapped one.
+    (StructuredOutputsParams(json={"type": "string", "minLength": 3, "maxLength": 2 ** 32 + 5}),
+     '"abcdefgh é"'),
     (StructuredOutputsParams(json=SCALARS),
      '{"p": 0.25, "n": -19, "s": "é\\n\\u00e9x", "d": "2024-02-29T23:59:59.5+05:30", '
      '"t": [7, "ab"]}'),

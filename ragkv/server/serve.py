@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import replace
@@ -29,6 +30,11 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     metrics = Metrics(server.model_name, engine.chunk_store)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)
     app = build_app(async_engine, metrics, server)
+    # What start-up built (the model, the tokenizer, the caches: 233,000 objects with
+    # SmolLM2) lives as long as the server: out of the collector's sight, a full collection
+    # on the engine thread takes under 1 ms instead of 115.
+    gc.collect()
+    gc.freeze()
     async_engine.start()
     logger.info("serving %s on http://%s:%d (max_model_len=%d)", server.model_name, host, port,
                 engine.max_model_len)
@@ -39,6 +45,7 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     finally:
         async_engine.stop()
         engine.close()  # pending chunk-store writes land before the process exits
+        gc.unfreeze()  # so that they are freed at exit (nanobind reports those that are not)
 
 
 def _timed_h11(header_timeout_s: float):
