@@ -187,8 +187,10 @@ def number_prefix_ok(text: str, bounds: NumberBounds) -> bool:
     top = max(highs) if highs else Fraction(10 ** MAX_WHOLE_DIGITS)
     # j more integer digits reach [start 10^j, (start + 1) 10^j): below a lower bound of D
     # digits while len(body) + j < D, so those are skipped (a bound of 1e300 is 300 steps).
-    lows = [v for v in (exact.low, decimal.low) if v is not None and v > 0]
-    j = max(0, len(str(int(min(lows)))) - len(body) - 1) if lows else 0
+    # D from the bit length, rounded down (str() refuses ints past 4,300 digits).
+    lows = [int(v) for v in (exact.low, decimal.low) if v is not None and v >= 1]
+    digits_low = int((min(lows).bit_length() - 1) * 0.30102999) + 1 if lows else 0
+    j = max(0, digits_low - len(body) - 1)
     while start * 10 ** j <= top and len(body) + j <= MAX_WHOLE_DIGITS:
         low, end = Fraction(start * 10 ** j), Fraction((start + 1) * 10 ** j)
         if _grid_hits(low, Fraction(1), end, exact):

@@ -730,6 +730,16 @@ def test_mixed_schema(grammars, text, expected):
      ["[1,2]"], ["[1]", "[1,2,3]", "[1,2,]"]),
     ({"type": "array", "minItems": 3}, ["[1,2,3]", "[1,2,3,4,5,6]"], ["[1,2]", "[]"]),
     ({"type": "array", "maxItems": 0}, ["[]", "[ ]"], ["[1]"]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
+      "minItems": 2, "maxItems": 2},  # pydantic's tuple[int, str]
+     ['[1,"a"]', '[ -2 , "" ]'], ['[1]', '["a",1]', '[1,"a",2]', '[]', '[1,2]']),
+    ({"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}},
+     ["[]", "[true]", "[false,null,null]"], ["[null]", "[true,true]", "[true,null,1]"]),
+    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}],
+      "items": False},
+     ["[]", "[1]", "[1,2]"], ["[1,2,3]", '["a"]']),
+    ({"type": "array", "prefixItems": [{"const": 1}], "minItems": 3},
+     ["[1,2,3]", '[1,"x",null,4]'], ["[1,2]", "[2,2,3]"]),
 ])
 def test_small_schemas(schema, good, bad):
     g = json_schema_grammar(schema)

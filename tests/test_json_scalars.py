@@ -1,6 +1,7 @@
-"""Numbers within bounds, string formats, strings of bounded length and prefixItems
-(json_scalars.py and their frames in json_grammar.py), each against a reference: Python's
-own comparisons, json.loads and datetime / uuid parsers, by brute force over short texts."""
+"""Numbers within bounds, string formats and strings of bounded length (json_scalars.py and
+their frames in json_grammar.py), each against a reference: Python's own comparisons,
+json.loads and datetime / uuid parsers, by brute force over short texts. (prefixItems is in
+test_json_grammar.py's small schemas.)"""
 
 from __future__ import annotations
 
@@ -335,25 +336,3 @@ def test_string_lengths_count_code_points(low, high):
             surrogate = re.search(r"\\u[dD][89a-fA-F]", body) is not None
             want = not surrogate and low <= len(value) <= (math.inf if high is None else high)
             assert g.matches(text.encode()) == want, text
-
-
-# -- prefixItems -----------------------------------------------------------------------------
-
-@pytest.mark.parametrize("schema,good,bad", [
-    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}],
-      "minItems": 2, "maxItems": 2},  # pydantic's tuple[int, str]
-     ['[1,"a"]', '[ -2 , "" ]'], ['[1]', '["a",1]', '[1,"a",2]', '[]', '[1,2]']),
-    ({"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}},
-     ["[]", "[true]", "[false,null,null]"], ["[null]", "[true,true]", "[true,null,1]"]),
-    ({"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}],
-      "items": False},
-     ["[]", "[1]", "[1,2]"], ["[1,2,3]", '["a"]']),
-    ({"type": "array", "prefixItems": [{"const": 1}], "minItems": 3},
-     ["[1,2,3]", '[1,"x",null,4]'], ["[1,2]", "[2,2,3]"]),
-])
-def test_prefix_items(schema, good, bad):
-    g = json_schema_grammar(schema)
-    for text in good:
-        assert g.matches(text.encode()), text
-    for text in bad:
-        assert not g.matches(text.encode()), text
