@@ -39,6 +39,12 @@ MASK_BYTES_PER_GRAMMAR = 64 << 20
 # Grammars kept per engine, by their request's key (schema text, choice list), and compiled
 # byte grammars kept per process.
 MAX_GRAMMARS = 16
+# Interned states per grammar before new requests get a fresh one. A schema's structure has
+# a few hundred states, but a bounded number, a counted string or a date makes one per
+# distinct text read, so a server writing numbers and dates for days would grow its states
+# and memoized transitions without end. The old grammar serves the samples that hold it and
+# goes with the last of them; the new one computes its masks again (about 1.5 ms each).
+MAX_STATES_PER_GRAMMAR = 50_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +264,10 @@ class TokenGrammar:
     def num_masks(self) -> int:
         return len(self._masks)
 
+    @property
+    def num_states(self) -> int:
+        return len(self._states)
+
     def _intern(self, state: State) -> int:
         sid = self._ids.get(state)
         if sid is None:
@@ -372,7 +382,8 @@ class GrammarMatcher:
 
 class StructuredOutputs:
     """An engine's grammars: the vocabulary trie (built on first use) and one TokenGrammar
-    per distinct constraint, least recently used dropped first."""
+    per distinct constraint, least recently used dropped first, and replaced for new
+    requests once it has interned MAX_STATES_PER_GRAMMAR states."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -383,7 +394,7 @@ class StructuredOutputs:
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         key = params.key
         grammar = self._grammars.get(key)
-        if grammar is None:
+        if grammar is None or grammar.num_states > MAX_STATES_PER_GRAMMAR:
             if self._vocab is None:
                 self._vocab = TokenVocabulary(self.tokenizer, self.vocab_size)
             grammar = self._grammars[key] = TokenGrammar(byte_grammar(key), self._vocab)

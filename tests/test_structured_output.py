@@ -13,7 +13,7 @@ import torch
 from conftest import random_prompt
 from reference import extend_layout, layout_reference, reference_logits
 
-from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv import LLM, RAGPrompt, SamplingParams, structured_output
 from ragkv.json_grammar import json_schema_grammar
 from ragkv.structured_output import (
     StructuredOutputs,
@@ -309,6 +309,39 @@ def test_bad_constraints_are_clear_errors(llm, kwargs, fragment):
     assert fragment in str(info.value)
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json_object": True})
+    llm.check_integrity()
+
+
+def test_a_grammar_with_many_states_is_replaced_for_new_requests(llm, monkeypatch):
+    """Bounded numbers make a state per text read: past MAX_STATES_PER_GRAMMAR the grammar
+    is replaced for new requests, while a sample holding the old one goes on in it; and
+    generation across replacements keeps every output valid."""
+    monkeypatch.setattr(structured_output, "MAX_STATES_PER_GRAMMAR", 8)
+    engine = llm.engine
+    so = StructuredOutputsParams(json={"type": "array", "maxItems": 3, "items": {
+        "type": "integer", "minimum": 0, "maximum": 10 ** 6}})
+    structured = StructuredOutputs(engine.tokenizer, engine.model_config.vocab_size)
+    old = structured.matcher(so)
+    assert structured.matcher(so).grammar is old.grammar
+    for token in engine.tokenizer.encode("[1234,5678", add_special_tokens=False):
+        old.advance(token)
+    assert old.grammar.num_states > 8
+    new = structured.matcher(so)
+    assert new.grammar is not old.grammar and new.state == new.grammar.initial
+    for token in engine.tokenizer.encode("9]", add_special_tokens=False):
+        old.advance(token)  # the old grammar still serves its sample
+    assert old.terminal
+    params = SamplingParams(n=4, temperature=1.5, seed=9, max_tokens=60,
+                            structured_outputs=so)
+    grammars = set()
+    for seed in range(3):
+        out = llm.generate(tokens(6, seed=40 + seed), params, use_tqdm=False)[0]
+        grammars.add(id(engine.structured.matcher(so).grammar))
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", sample.text
+            value = json.loads(sample.text)
+            assert len(value) <= 3 and all(0 <= v <= 10 ** 6 for v in value)
+    assert len(grammars) > 1
     llm.check_integrity()
 
 
