@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..host_ints import int64_tensor, to_device
+
 
 class KVPool:
     """The KV tensors. Holds no bookkeeping: allocators and indexes hold slot numbers only."""
@@ -50,12 +52,8 @@ class KVPool:
         self.kv.index_copy_(2, self._index(slots), kv.to(self.kv.device, non_blocking=True))
 
     def _index(self, slots: list[int]) -> torch.Tensor:
-        index = torch.tensor(slots, dtype=torch.long)
-        if self.kv.device.type != "cuda":
-            return index
-        # From pinned memory without blocking: a copy from pageable memory (what
-        # torch.tensor(..., device="cuda") does) waits for the stream.
-        return index.pin_memory().to(self.kv.device, non_blocking=True)
+        # Through pinned memory on a GPU: a copy from pageable memory waits for the stream.
+        return to_device(int64_tensor(slots), self.kv.device)
 
     def release_memory(self) -> None:
         """Free the pool's memory (LLM.sleep); every slot's contents are lost. The tensor
