@@ -171,7 +171,7 @@ def reference_constrained_greedy(hf, grammar, S, C, Q, eos: set[int], max_tokens
     return out
 
 
-@pytest.mark.parametrize("schema", [BOUNDED, OPEN])
+@pytest.mark.parametrize("schema", [BOUNDED, OPEN, SCALARS])
 def test_constrained_greedy_equals_a_reference_loop_cold_and_warm(llama, schema):
     path, hf = llama
     llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
