@@ -23,7 +23,9 @@ from functools import partial
 
 import torch
 
-from ragkv.sampling import SamplingParams, TokenHistory, sample
+from ragkv.sampling.params import SamplingParams
+from ragkv.sampling.penalties import TokenHistory
+from ragkv.sampling.sampler import sample
 
 
 def load(path: str):

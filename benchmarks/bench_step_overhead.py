@@ -141,7 +141,7 @@ def rag_scenario(path: str, requests: int) -> float:
 def rag_text_scenario(path: str, requests: int) -> tuple[float, float]:
     """ms per warm text request with the tokenizer cache on and off, alternating requests
     between the two engines so that both see the same machine."""
-    from ragkv.demo_corpus import DOCUMENTS
+    from ragkv.entrypoints.demo_corpus import DOCUMENTS
 
     engines = {mb: warm_rag_engine(path, tokenizer_cache_mb=mb) for mb in (64, 0)}
     tok = engines[64].get_tokenizer()

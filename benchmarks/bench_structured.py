@@ -20,7 +20,8 @@ import json
 import time
 
 from ragkv import LLM, SamplingParams
-from ragkv.structured_output import StructuredOutputsParams, TokenVocabulary
+from ragkv.structured.params import StructuredOutputsParams
+from ragkv.structured.vocabulary import TokenVocabulary
 
 SCHEMA = {"type": "object",
           "properties": {"answer": {"type": "string"},

@@ -1,10 +1,10 @@
 """ragkv: an LLM inference engine for retrieval-augmented generation."""
 
+from .inputs.prompt import RAGPrompt
 from .llm import LLM
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .prompt import RAGPrompt
-from .sampling import SamplingParams
-from .structured_output import StructuredOutputsParams
+from .sampling.params import SamplingParams
+from .structured.params import StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RAGPrompt", "RequestOutput",
            "CompletionOutput", "Logprob"]

@@ -34,3 +34,9 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def list_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list (of numbers, or of equal-length lists) as a tensor on `device`, through
+    `to_device`: the host queues the kernels that read it behind the step's forward."""
+    return to_device(torch.tensor(values, dtype=dtype), device)

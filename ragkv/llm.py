@@ -10,7 +10,7 @@ from .cache.chunk_cache import ChunkCacheStats
 from .config import EngineConfig
 from .engine.engine import Engine
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling.params import SamplingParams
 
 
 class LLM:

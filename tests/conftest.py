@@ -150,7 +150,7 @@ def server_process(model: str, *args: str, env: dict | None = None, log_path: st
         port = s.getsockname()[1]
     log = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ragkv.cli", "serve", model, "--port", str(port),
+        [sys.executable, "-m", "ragkv", "serve", model, "--port", str(port),
          "--log-level", "warning", *args],
         env={**os.environ, **(env or {})}, stdout=log or subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -211,7 +211,7 @@ def redis_server():
     """A real `redis-server` on a free loopback port, without persistence; yields a handle
     with `.url`, `.stop()` and `.start()` (same port, empty again). Skips when redis-server
     is not installed, unless RAGKV_REQUIRE_REDIS=1 (CI installs it)."""
-    from ragkv.bench.redis_server import RedisServer
+    from redis_server import RedisServer
 
     binary = RedisServer.find()
     if binary is None:

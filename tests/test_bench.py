@@ -19,7 +19,7 @@ SHAPE = ["--num-docs", "5", "--doc-tokens", "24", "--docs-per-request", "2",
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ragkv.cli", "bench", "--no-progress", *args],
+    return subprocess.run([sys.executable, "-m", "ragkv", "bench", "--no-progress", *args],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -111,7 +111,7 @@ def test_recompute_bench_and_curve_scripts(tmp_path):
     assert all(p["flop_bound"] > 4 for p in points if p["ratio"] == 0.0)
     report = tmp_path / "eval.json"
     r = subprocess.run(
-        [sys.executable, "-m", "ragkv.cli", "eval", "--model", "builtin:tiny", "--device", "cpu",
+        [sys.executable, "-m", "ragkv", "eval", "--model", "builtin:tiny", "--device", "cpu",
          "--limit", "3", "--num-per-task", "2", "--max-tokens", "2", "--modes",
          "sequential,blend@0.5,sink@0.5,blend@1", "--json", str(report), "--no-progress"],
         capture_output=True, text=True, timeout=300)

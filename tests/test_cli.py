@@ -8,7 +8,7 @@ import sys
 
 
 def ragkv(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ragkv.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ragkv", *args], capture_output=True,
                           text=True, timeout=300)
 
 

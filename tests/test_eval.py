@@ -24,7 +24,7 @@ def tiny():
 def test_cli_report_counts_add_up(tmp_path):
     out = tmp_path / "eval.json"
     r = subprocess.run(
-        [sys.executable, "-m", "ragkv.cli", "eval", "--model", "builtin:tiny", "--device", "cpu",
+        [sys.executable, "-m", "ragkv", "eval", "--model", "builtin:tiny", "--device", "cpu",
          "--limit", "7", "--num-per-task", "4", "--max-tokens", "4", "--json", str(out),
          "--no-progress"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -171,7 +171,7 @@ def test_penalties_on_cuda_equal_cpu_and_never_sync():
     raises on one)."""
     from collections import Counter
 
-    from ragkv.sampling import TokenHistory, apply_penalties
+    from ragkv.sampling.penalties import TokenHistory, apply_penalties
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 1000, generator=gen) * 4
@@ -202,7 +202,8 @@ def test_sampler_waits_for_the_device_once():
     import warnings
     from collections import Counter
 
-    from ragkv.sampling import TokenHistory, sample
+    from ragkv.sampling.penalties import TokenHistory
+    from ragkv.sampling.sampler import sample
 
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 3000, generator=gen) * 3

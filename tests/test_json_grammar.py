@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from ragkv.json_grammar import (
+from ragkv.structured.json_grammar import (
     MAX_WHITESPACE_RUN,
     ByteGrammar,
     choice_grammar,
@@ -963,7 +963,7 @@ def test_refs_into_lists_self_reference_and_non_finite_constants():
 def test_nesting_is_capped():
     """JSON mode lets the model choose the depth; each level makes every later state a new
     one, so objects and arrays nest at most MAX_NESTING deep."""
-    from ragkv.json_grammar import MAX_NESTING
+    from ragkv.structured.json_grammar import MAX_NESTING
 
     g = json_object_grammar()
     assert g.matches(b"[" * MAX_NESTING + b"]" * MAX_NESTING)

@@ -16,8 +16,8 @@ import uuid
 
 import pytest
 
-from ragkv.json_grammar import json_schema_grammar
-from ragkv.json_scalars import (
+from ragkv.structured.json_grammar import json_schema_grammar
+from ragkv.structured.json_scalars import (
     MAX_DIGITS,
     NumberBounds,
     format_scan,

@@ -13,7 +13,8 @@ from conftest import random_prompt
 from reference import extend_layout, layout_reference, reference_logits
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.sampling import TokenHistory, apply_penalties, sample
+from ragkv.sampling.penalties import TokenHistory, apply_penalties
+from ragkv.sampling.sampler import sample
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -31,7 +31,7 @@ def write_corpus(path, texts=TEXTS) -> str:
 
 def precompute(model: str, corpus: str, store: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ragkv.cli", "precompute", "--model", model, "--documents",
+        [sys.executable, "-m", "ragkv", "precompute", "--model", model, "--documents",
          corpus, "--system", SYSTEM, "--store", store, "--no-progress", "--batch-size", "3",
          *args],
         capture_output=True, text=True, timeout=300)
@@ -121,11 +121,11 @@ def test_precompute_errors(llama, tmp_path):
         (["--store", "nfs:/x"], "unknown tier 'nfs:/x'"),
     ]
     for args, message in cases:
-        r = subprocess.run([sys.executable, "-m", "ragkv.cli", "precompute", "--model", path,
+        r = subprocess.run([sys.executable, "-m", "ragkv", "precompute", "--model", path,
                             "--documents", corpus, "--no-progress", *args],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and message in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "ragkv.cli", "precompute", "--model", path,
+    r = subprocess.run([sys.executable, "-m", "ragkv", "precompute", "--model", path,
                         "--documents", corpus], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "needs --store" in r.stderr, r.stderr
 

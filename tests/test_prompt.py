@@ -8,7 +8,8 @@ import copy
 
 import pytest
 
-from ragkv.prompt import ChunkedPrompt, PromptRules, RAGPrompt, parse_prompt, split_chat_prompt
+from ragkv.inputs.chat import split_chat_prompt
+from ragkv.inputs.prompt import ChunkedPrompt, PromptRules, RAGPrompt, parse_prompt
 
 VOCAB = 4096
 

@@ -18,7 +18,7 @@ from test_rag import GREEDY, TOL, make_llm, plain, rag, reference, run
 
 from ragkv.engine.recompute import RecomputeSpec
 from ragkv.engine.request import PromptLayout
-from ragkv.prompt import RAGPrompt
+from ragkv.inputs.prompt import RAGPrompt
 
 METHODS = ["blend", "sink", "query", "sink+blend", "sink+query"]
 SEQ_ISO = ("sequential", "isolated")

@@ -14,8 +14,8 @@ import pytest
 from conftest import random_prompt
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.detokenizer import IncrementalDetokenizer
 from ragkv.outputs import CompletionOutput, RequestOutput
+from ragkv.sampling.detokenizer import IncrementalDetokenizer
 from ragkv.server.app import _Formatter
 from ragkv.server.async_engine import AsyncEngine
 

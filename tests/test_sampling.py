@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ragkv import LLM, SamplingParams
-from ragkv.sampling import noise_keys, sample, to_uniform_, uniform_noise
+from ragkv.sampling.noise import noise_keys, to_uniform_, uniform_noise
+from ragkv.sampling.sampler import sample
 
 PROMPT = "The garden is green and"
 SEEDED = SamplingParams(temperature=1.0, seed=123, max_tokens=10)
@@ -165,8 +166,9 @@ def test_uniforms_never_reach_0_or_1_and_truncation_is_never_escaped():
 def test_noise_kernel_is_bit_identical_to_the_torch_noise():
     """CUDA draws the noise with one Triton kernel (interpreted here without a GPU): the same
     bits as the torch computation, so a seed gives the same tokens on any device."""
-    triton_ops = pytest.importorskip("ragkv.model.triton_ops")
-    if not triton_ops.available():
+    from ragkv.sampling import noise
+
+    if noise.triton is None:
         pytest.skip("Triton is not installed")
     seeds_ = torch.tensor([3, (1 << 63) - 1, 99])
     steps = torch.tensor([0, 7, 123456])
@@ -174,7 +176,7 @@ def test_noise_kernel_is_bit_identical_to_the_torch_noise():
     want = uniform_noise(seeds_, steps, vocab)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     k1, k2 = noise_keys(seeds_.to(device), steps.to(device))
-    assert torch.equal(triton_ops.uniform_noise(k1, k2, vocab).cpu(), want)
+    assert torch.equal(noise.triton_uniform_noise(k1, k2, vocab).cpu(), want)
     if torch.cuda.is_available():
         assert torch.equal(uniform_noise(seeds_.cuda(), steps.cuda(), vocab).cpu(), want)
 

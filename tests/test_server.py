@@ -13,7 +13,7 @@ from conftest import running_server, server_integrity, server_wait_idle
 from openai import OpenAI
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.structured_output import StructuredOutputsParams
+from ragkv.structured.params import StructuredOutputsParams
 
 MODEL = "builtin:tiny"
 KEY = "sk-test-key"
@@ -172,7 +172,7 @@ def test_chat_documents_and_separators_agree(client, offline):
         messages=[system, {"role": "user", "content": "##".join([*docs, "Which is denser?"])}])
     assert by_field.choices[0].message.content == by_separator.choices[0].message.content
     # The same split computed offline: system part, documents as chunks, question part.
-    from ragkv.prompt import split_chat_prompt
+    from ragkv.inputs.chat import split_chat_prompt
 
     prompt, _ = split_chat_prompt(offline.get_tokenizer(), [
         {"role": "system", "content": "You answer from the documents."},

@@ -13,15 +13,12 @@ import torch
 from conftest import random_prompt
 from reference import extend_layout, layout_reference, reference_logits
 
-from ragkv import LLM, RAGPrompt, SamplingParams, structured_output
-from ragkv.json_grammar import json_schema_grammar
-from ragkv.structured_output import (
-    StructuredOutputs,
-    StructuredOutputsParams,
-    TokenGrammar,
-    TokenVocabulary,
-    token_bytes,
-)
+from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv.structured import token_grammar
+from ragkv.structured.json_grammar import json_schema_grammar
+from ragkv.structured.params import StructuredOutputsParams
+from ragkv.structured.token_grammar import StructuredOutputs, TokenGrammar
+from ragkv.structured.vocabulary import TokenVocabulary, token_bytes
 
 # Every value is bounded (whitespace runs too), so any model must close the object: a
 # constrained sample always ends with finish_reason "stop".
@@ -316,7 +313,7 @@ def test_a_grammar_with_many_states_is_replaced_for_new_requests(llm, monkeypatc
     """Bounded numbers make a state per text read: past MAX_STATES_PER_GRAMMAR the grammar
     is replaced for new requests, while a sample holding the old one goes on in it; and
     generation across replacements keeps every output valid."""
-    monkeypatch.setattr(structured_output, "MAX_STATES_PER_GRAMMAR", 8)
+    monkeypatch.setattr(token_grammar, "MAX_STATES_PER_GRAMMAR", 8)
     engine = llm.engine
     so = StructuredOutputsParams(json={"type": "array", "maxItems": 3, "items": {
         "type": "integer", "minimum": 0, "maximum": 10 ** 6}})

@@ -10,8 +10,9 @@ import pytest
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
-from ragkv.prompt import PromptRules, parse_prompt, split_chat_prompt
-from ragkv.token_cache import TokenCache
+from ragkv.inputs.chat import split_chat_prompt
+from ragkv.inputs.prompt import PromptRules, parse_prompt
+from ragkv.inputs.token_cache import TokenCache
 
 TEXTS = ["The first document talks about rivers and boats.",
          " The second one, about mountains; and snow!",

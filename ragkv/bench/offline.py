@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
+from ..inputs.prompt import RAGPrompt
 from ..llm import LLM
 from ..model.loader import inspect_checkpoint
-from ..prompt import RAGPrompt
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 from .flops import rag_flop_bound
 from .workload import BenchRequest, WorkloadConfig, make_workload
 

@@ -25,25 +25,27 @@ from ..config import (
     resolve_device,
     resolve_dtype,
 )
-from ..detokenizer import IncrementalDetokenizer
 from ..host_ints import int64_tensor, to_device
+from ..inputs.chat import split_chat_prompt
+from ..inputs.prompt import (
+    RAG_OPTIONS,
+    ChunkedPrompt,
+    PromptRules,
+    max_token_chars,
+    parse_prompt,
+)
+from ..inputs.token_cache import TokenCache, TokenCacheStats
 from ..model.attention import get_attention_backend
 from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.probe import probe_scores
 from ..model.runner import ModelRunner
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..prompt import (
-    RAG_OPTIONS,
-    ChunkedPrompt,
-    PromptRules,
-    max_token_chars,
-    parse_prompt,
-    split_chat_prompt,
-)
-from ..sampling import SamplingParams, TokenHistory, sample
-from ..structured_output import StructuredOutputs
-from ..token_cache import TokenCache, TokenCacheStats
+from ..sampling.detokenizer import IncrementalDetokenizer
+from ..sampling.params import SamplingParams
+from ..sampling.penalties import TokenHistory
+from ..sampling.sampler import sample
+from ..structured.token_grammar import StructuredOutputs
 from .recompute import RecomputeSpec, check_layers_for
 from .request import PromptLayout, Request, RequestStatus
 from .scheduler import Scheduler, SchedulerOutput

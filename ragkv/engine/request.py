@@ -17,12 +17,12 @@ import torch
 
 from ..cache.chunk_cache import ChunkEntry
 from ..cache.kv_manager import SeqKV
-from ..detokenizer import IncrementalDetokenizer
 from ..outputs import Logprob, RequestMetrics
-from ..sampling import SamplingParams
+from ..sampling.detokenizer import IncrementalDetokenizer
+from ..sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from ..structured_output import GrammarMatcher
+    from ..structured.token_grammar import GrammarMatcher
     from .recompute import RecomputeSpec
 
 

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..llm import LLM
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 from .modes import REFERENCE, get_mode
 from .suite import TASKS, EvalItem, is_correct
 

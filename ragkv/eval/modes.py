@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import check_recompute
-from ..prompt import ChunkedPrompt, RAGPrompt
+from ..inputs.prompt import ChunkedPrompt, RAGPrompt
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import torch
 from ..cache.kv_pool import KVPool
 from ..cache.slot_table import PAD_ROW, SlotTable
 from ..host_ints import int64_tensor
-from ..sampling import uniform_noise
+from ..sampling.noise import uniform_noise
 from .attention import AttentionBackend, AttentionMetadata
 from .llama import CausalLM
 

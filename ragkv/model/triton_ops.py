@@ -6,7 +6,6 @@ and a pass over memory. These fuse them, one kernel each:
 - `silu_mul`: act(gate) * up from the fused gate_up projection;
 - `rope_store`: RoPE on q and k from the fused qkv projection, the rotated q returned and the
   rotated k and v written straight into the KV pool at the step's slots;
-- `uniform_noise`: the sampler's counter-based random numbers (sampling.py), bit for bit.
 Rounding follows the torch path in the model dtype (HF's order of operations: the residual sum,
 the normalised value and the activation are rounded to the dtype where HF rounds them), so
 bf16 outputs agree with it to bf16 rounding. They are used on CUDA only; CPU keeps the torch
@@ -101,47 +100,6 @@ if triton is not None:
         dst = V_CACHE + slot * stride_kt + hk[:, None] * dim + offs[None, :]
         tl.store(dst, tl.load(src, mask=mask, other=0.0), mask=mask)
         tl.store(dst + HALF, tl.load(src + HALF, mask=mask, other=0.0), mask=mask)
-
-
-if triton is not None:
-
-    @triton.jit
-    def _mul32(x, c: tl.constexpr):
-        # (x * c) mod 2^32 in int64, the constant in 16-bit halves so no product passes 2^49
-        # (sampling._mix32_ lets the int64 product wrap instead: the same low 32 bits). The
-        # reduction subtracts the bits above 32 (the products are non-negative) rather than
-        # masking with 0xFFFFFFFF, a literal Triton would type as uint32.
-        y = x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)
-        return y - ((y >> 32) << 32)
-
-    @triton.jit
-    def _mix32(x):
-        x = x ^ (x >> 16)
-        x = _mul32(x, 0x7FEB352D)
-        x = x ^ (x >> 15)
-        x = _mul32(x, 0x846CA68B)
-        return x ^ (x >> 16)
-
-    @triton.jit
-    def _uniform_noise_kernel(K1, K2, OUT, vocab, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        k1 = tl.load(K1 + row)
-        k2 = tl.load(K2 + row)
-        x = _mix32(_mix32(offs.to(tl.int64) ^ k1) ^ k2)
-        u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # sampling.to_uniform_
-        tl.store(OUT + row.to(tl.int64) * vocab + offs, u, mask=offs < vocab)
-
-
-def uniform_noise(k1: torch.Tensor, k2: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The sampler's counter-based uniforms [B, vocab] from each row's two keys, bit for bit
-    the torch computation of sampling.uniform_noise, in one launch instead of ~35."""
-    out = torch.empty(k1.numel(), vocab, dtype=torch.float32, device=k1.device)
-    block = 1024
-    _uniform_noise_kernel[(k1.numel(), triton.cdiv(vocab, block))](
-        k1.contiguous(), k2.contiguous(), out, vocab, BLOCK=block,
-        num_warps=4 if k1.is_cuda else 1)
-    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 
 from ..config import DEFAULT_MAX_BODY_BYTES
 from ..outputs import RequestOutput
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from .metrics import Metrics
 from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse

@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ..engine.engine import Engine
+from ..inputs.prompt import ChunkedPrompt
 from ..outputs import RequestOutput
-from ..prompt import ChunkedPrompt
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 
 logger = logging.getLogger("ragkv.server")
 

@@ -8,9 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..prompt import RAG_OPTIONS
-from ..sampling import SamplingParams
-from ..structured_output import StructuredOutputsParams
+from ..inputs.prompt import RAG_OPTIONS
+from ..sampling.params import SamplingParams
+from ..structured.params import StructuredOutputsParams
 
 
 class ErrorResponse(Exception):

@@ -15,11 +15,11 @@ from __future__ import annotations
 import random
 import statistics
 
+from ..inputs.prompt import ChunkedPrompt
+from ..llm import LLM
+from ..model.loader import real_model_available
+from ..sampling.params import SamplingParams
 from .demo_corpus import DOCUMENTS, QUESTIONS, SYSTEM
-from .llm import LLM
-from .model.loader import real_model_available
-from .prompt import ChunkedPrompt
-from .sampling import SamplingParams
 
 REAL_MODEL = "smollm2-135m-instruct"
 

@@ -18,8 +18,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .cache.chunk_store import MAX_PENDING_WRITES
-from .sampling import SamplingParams
+from ..cache.chunk_store import MAX_PENDING_WRITES
+from ..sampling.params import SamplingParams
 
 logger = logging.getLogger("ragkv")
 
@@ -168,6 +168,6 @@ def _prompt(engine, doc: Document, system: str, prompt_format: str, cache_salt: 
         if system:
             messages.insert(0, {"role": "system", "content": system})
         return engine.process_chat(messages, documents=[doc.text], cache_salt=cache_salt)
-    from .prompt import RAGPrompt
+    from ..inputs.prompt import RAGPrompt
 
     return engine.process_prompt(RAGPrompt(system, [doc.text], _QUESTION, cache_salt=cache_salt))

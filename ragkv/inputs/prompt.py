@@ -22,16 +22,13 @@ import struct
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
-from .config import check_layout, check_recompute
-from .host_ints import int64_tensor
+from ..config import check_layout, check_recompute
+from ..host_ints import int64_tensor
 from .token_cache import TokenCache
 
 # Per-prompt settings of a RAG prompt, each None for the engine's default.
 RAG_OPTIONS = ("position_strategy", "chunk_attention", "recompute", "recompute_ratio",
                "recompute_sink_tokens")
-
-# Where the documents go when a chat template is rendered; split out again afterwards.
-_DOC_SENTINEL = "\u2063ragkv-documents\u2063"
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +104,7 @@ def check_text(name: str, text: str, max_chars: int | None = None) -> None:
                          "characters fits max_model_len")
 
 
-def _reused(tokenizer, cache: TokenCache | None, salt: object):
+def reused_tokenizer(tokenizer, cache: TokenCache | None, salt: object):
     """How the parts that recur (system parts, documents) are tokenized: (text, whether to
     add special tokens) -> ids, through `cache` under the request's salt when there is one.
     A salt that is not a string bypasses the cache; `_finish` refuses it, after the checks
@@ -161,7 +158,7 @@ def _split_text(text: str, tokenizer, separator: str | None, salt: str | None,
     system, chunks, question = parts[0], parts[1:-1], parts[-1]
     if not question.strip():
         raise ValueError("the question (the text after the last chunk separator) is empty")
-    reused = _reused(tokenizer, cache, salt)
+    reused = reused_tokenizer(tokenizer, cache, salt)
     return ChunkedPrompt(
         system=reused(system, True),
         chunks=[reused(c, False) for c in chunks if c.strip()],
@@ -183,7 +180,7 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
         raise ValueError(f"RAGPrompt has {total} characters; no text over {max_chars} "
                          "characters fits max_model_len")
 
-    reused = _reused(tokenizer, cache, p.cache_salt)
+    reused = reused_tokenizer(tokenizer, cache, p.cache_salt)
 
     def tokens(part, name: str, special: bool, encode=reused) -> list[int]:
         if isinstance(part, str):
@@ -201,7 +198,7 @@ def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
         system=tokens(p.system, "RAGPrompt.system", True),
         chunks=[c for c in chunks if c],
         question=tokens(p.question, "RAGPrompt.question", False,
-                        encode=_reused(tokenizer, None, None)),  # new every time: not kept
+                        encode=reused_tokenizer(tokenizer, None, None)),  # new every time: not kept
         text=None, cache_salt=p.cache_salt,
         **{name: getattr(p, name) for name in RAG_OPTIONS},
     )
@@ -264,81 +261,3 @@ def _check_ids(name: str, ids: object) -> None:
     # a long prompt costs microseconds, not a Python loop over its tokens.
     if not isinstance(ids, (list, tuple)) or not set(map(type, ids)) <= {int}:
         raise ValueError(f"{name} must be a list of integers")
-
-
-def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
-                      separator: str | None = "##", cache_salt: str | None = None,
-                      max_chars: int | None = None,
-                      cache: TokenCache | None = None) -> tuple[ChunkedPrompt, str]:
-    """Render a chat with the model's own template and cut it where the documents go.
-
-    Documents come from `documents`, or else from separators in the last user message (every
-    part before the last is a document, the last part is the question). They are placed at
-    the start of the conversation, so that the system part S does not depend on the history:
-    - with a leading system message: at the end of its content, each document after a blank
-      line ("\n\n" + document); S is the rendered text up to there;
-    - without one: at the start of the first user message, each document followed by a blank
-      line; S is the rendered text up to there (template preamble, the first user header).
-    Everything after the documents (the rest of the conversation, the question, the assistant
-    header) is the question part. The same system message and documents therefore give the
-    same S and chunks whatever the history, and the chunks are reused (`cache`: their token
-    ids by their text). Returns the prompt and the full rendered text.
-    """
-    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
-    if last_user is None:
-        raise ValueError("a chat request needs at least one user message")
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"messages[{i}].content must be a string")
-        check_text(f"messages[{i}].content", m["content"])
-    for i, d in enumerate(documents or []):
-        if not isinstance(d, str):
-            raise ValueError(f"documents[{i}] must be a string")
-        check_text(f"documents[{i}]", d)
-    total = sum(len(m["content"]) for m in messages) + sum(map(len, documents or []))
-    if max_chars is not None and total > max_chars:
-        raise ValueError(f"the chat has {total} characters; no text over {max_chars} "
-                         "characters fits max_model_len")
-    content = messages[last_user]["content"]
-    if documents is None and separator and separator in content:
-        parts = content.split(separator)
-        documents, content = parts[:-1], parts[-1]
-    docs = [d.strip() for d in (documents or []) if d.strip()]
-    if documents is not None and not content.strip():
-        raise ValueError("the question (the last user message) is empty")
-    rendered_msgs = [dict(m) for m in messages]
-    rendered_msgs[last_user]["content"] = content
-    if not docs:
-        text = _render(tokenizer, rendered_msgs)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        return ChunkedPrompt([], [], ids, text, cache_salt), text
-    if rendered_msgs[0].get("role") == "system":
-        where, chunk_texts = 0, ["\n\n" + d for d in docs]
-        rendered_msgs[0]["content"] += _DOC_SENTINEL
-    else:
-        where = next(i for i, m in enumerate(rendered_msgs) if m.get("role") == "user")
-        chunk_texts = [d + "\n\n" for d in docs]
-        rendered_msgs[where]["content"] = _DOC_SENTINEL + rendered_msgs[where]["content"]
-    text = _render(tokenizer, rendered_msgs)
-    if text.count(_DOC_SENTINEL) != 1:
-        raise ValueError("the chat template does not keep the messages intact")
-    head, tail = text.split(_DOC_SENTINEL)
-    reused = _reused(tokenizer, cache, cache_salt)
-    prompt = ChunkedPrompt(
-        system=reused(head, False),
-        chunks=[reused(c, False) for c in chunk_texts],
-        question=tokenizer.encode(tail, add_special_tokens=False),
-        text=head + "".join(chunk_texts) + tail,
-        cache_salt=cache_salt,
-    )
-    return prompt, prompt.text
-
-
-def _render(tokenizer, messages: list[dict]) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the model's tokenizer has no chat template")
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 (a template may raise anything, e.g. on a role)
-        raise ValueError(f"the chat template rejected the messages: {e}") from None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .config import (
+from ..config import (
     CHUNK_ATTENTIONS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_SINK_TOKENS,
@@ -100,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _structured_outputs(args: argparse.Namespace):
-    from .structured_output import StructuredOutputsParams
+    from ..structured.params import StructuredOutputsParams
 
     if args.json_schema is not None:
         schema = args.json_schema
@@ -119,8 +119,8 @@ def _structured_outputs(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .sampling import SamplingParams
+    from ..llm import LLM
+    from ..sampling.params import SamplingParams
 
     # Before the model loads: a bad sampling value is reported at once.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -153,10 +153,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    from .server.serve import serve
+    from ..server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from .server.app import ServerConfig
+    from ..server.app import ServerConfig
 
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     server = ServerConfig(model_name=args.served_model_name or "", api_key=args.api_key,
@@ -169,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .bench.workload import WorkloadConfig
+    from ..bench.workload import WorkloadConfig
 
     workload = WorkloadConfig(
         num_docs=args.num_docs, doc_tokens=args.doc_tokens,
@@ -178,15 +178,15 @@ def _bench(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens, num_requests=args.num_requests, seed=args.seed)
     progress = not args.no_progress
     if args.url:
-        from .bench.serving import format_serving, run_serving
-        from .model.loader import load_tokenizer, resolve_model_path
+        from ..bench.serving import format_serving, run_serving
+        from ..model.loader import load_tokenizer, resolve_model_path
 
         tokenizer = load_tokenizer(resolve_model_path(args.tokenizer or args.model))
         results = run_serving(args.url, workload, tokenizer, args.concurrency,
                               args.request_rate, args.api_key, progress)
         print(format_serving(results))
     else:
-        from .bench.offline import format_table, plot_ttft, run_offline
+        from ..bench.offline import format_table, plot_ttft, run_offline
 
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         results = run_offline(args.model, modes, workload, engine_kwargs(args),
@@ -203,7 +203,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .eval.evaluate import (
+    from ..eval.evaluate import (
         evaluate,
         format_summary,
         pick_items,
@@ -211,8 +211,8 @@ def _eval(args: argparse.Namespace) -> int:
         report_json,
         summarize,
     )
-    from .eval.suite import build_suite
-    from .llm import LLM
+    from ..eval.suite import build_suite
+    from ..llm import LLM
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     items = pick_items(build_suite(args.num_per_task, seed=args.suite_seed), args.limit)
@@ -238,7 +238,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _precompute(args: argparse.Namespace) -> int:
     import logging
 
-    from .llm import LLM
+    from ..llm import LLM
     from .precompute import precompute, read_documents
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
