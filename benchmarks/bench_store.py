@@ -120,9 +120,10 @@ def main() -> None:
 
 @contextlib.contextmanager
 def private_redis():
-    """The URL of a redis-server of our own (ragkv.bench.redis_server); None when
-    redis-server is not installed."""
-    from ragkv.bench.redis_server import RedisServer
+    """The URL of a redis-server of our own (the test suite's fixture, tests/redis_server.py);
+    None when redis-server is not installed."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from redis_server import RedisServer
 
     binary = RedisServer.find()
     if binary is None:
