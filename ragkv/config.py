@@ -8,12 +8,10 @@ here and returned, never patched into the config.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 
 import torch
-
-from .cache.chunk_cache import SUPPORTED_HASHES
-from .cache.chunk_store import check_chunk_store
 
 _DTYPES = {
     "float32": torch.float32,
@@ -26,6 +24,10 @@ _DTYPES = {
 # When neither kv_cache_tokens nor kv_cache_memory_bytes is given on CPU, the pool takes this
 # much memory. torch.empty does not touch the pages, so an unused pool costs little.
 DEFAULT_CPU_KV_BYTES = 2 << 30
+# Hashes of chunk-cache keys (cache/chunk_key.py).
+SUPPORTED_HASHES = ("sha256", "xxh3_128")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 # Largest HTTP request body the server accepts by default.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # Fraction of free accelerator memory (after the weights are loaded) given to the pool.
@@ -69,7 +71,7 @@ class EngineConfig:
     # Token ids of system parts and documents sent as text, kept by their text (MiB; 0: off):
     # a document is tokenized once, not on every request that retrieves it.
     tokenizer_cache_mb: int = 64
-    # Tiers behind the chunk region, in order (cache/chunk_store.py), comma-separated:
+    # Tiers behind the chunk region, in order (cache/store/tiered.py), comma-separated:
     # "host:8GiB,disk:/var/cache/ragkv:50GiB,redis://127.0.0.1:6379/0"; None: pool only.
     chunk_store: str | None = None
     # Default layout of a RAG prompt; a request may choose another (RAGPrompt, extra_body).
@@ -138,7 +140,7 @@ class EngineConfig:
         if self.chunk_hash_algo not in SUPPORTED_HASHES:
             raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, got "
                              f"{self.chunk_hash_algo!r}")
-        check_chunk_store(self.chunk_store)
+        parse_chunk_store(self.chunk_store)
         if self.chunk_store and not self.enable_chunk_cache:
             raise ValueError("chunk_store backs the chunk cache: it needs "
                              "enable_chunk_cache=True")
@@ -216,3 +218,46 @@ def parse_torch_dtype(name: object) -> torch.dtype | None:
     if isinstance(name, str):
         return _DTYPES.get(name.removeprefix("torch."))
     return None
+
+
+def parse_size(text: str) -> int:
+    """Bytes in "8GiB", "500MB", "1048576"."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"chunk_store: {text!r} is not a size (e.g. 8GiB, 500MB, 1048576)")
+    size = int(float(m.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"chunk_store: size {text!r} must be positive")
+    return size
+
+
+def parse_chunk_store(spec: str | None) -> list[tuple[str, tuple]]:
+    """The tiers a `chunk_store` setting names, in order, as (kind, arguments): ("host",
+    (bytes,)), ("disk", (path, bytes)), ("redis", (url,)); a clear ValueError for one that
+    does not parse (no I/O: the store is built from this, cache/store/tiered.py)."""
+    if spec is None:
+        return []
+    if not isinstance(spec, str):
+        raise ValueError(f"chunk_store must be a string, got {spec!r}")
+    if not spec.strip():
+        return []
+    out: list[tuple[str, tuple]] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part.startswith(("redis://", "rediss://", "unix://")):
+            out.append(("redis", (part,)))
+        elif part.startswith("host:"):
+            out.append(("host", (parse_size(part[5:]),)))
+        elif part.startswith("disk:"):
+            path, sep, size = part[5:].rpartition(":")
+            if not sep or not path:
+                raise ValueError(f"chunk_store: {part!r} must be disk:PATH:SIZE "
+                                 "(e.g. disk:/var/cache/ragkv:50GiB)")
+            out.append(("disk", (path, parse_size(size))))
+        else:
+            raise ValueError(f"chunk_store: unknown tier {part!r}; tiers are host:SIZE, "
+                             "disk:PATH:SIZE and redis://HOST:PORT/DB, comma-separated")
+    kinds = [k for k, _ in out]
+    if kinds.count("host") > 1:
+        raise ValueError("chunk_store: at most one host tier")
+    return out

@@ -30,9 +30,10 @@ from conftest import random_prompt
 from test_rag import GREEDY, MAX_TOKENS, make_llm, rag, run
 
 from ragkv import LLM
-from ragkv.cache import chunk_store as chunk_store_module
-from ragkv.cache import store_tiers
-from ragkv.cache.chunk_format import (
+from ragkv.cache.store import disk_tier, host_tier, redis_tier
+from ragkv.cache.store import tiered as tiered_module
+from ragkv.cache.store.disk_tier import DiskChunkStore
+from ragkv.cache.store.format import (
     MAGIC,
     ChunkMeta,
     ChunkRecord,
@@ -41,14 +42,11 @@ from ragkv.cache.chunk_format import (
     encode,
     token_hash,
 )
-from ragkv.cache.chunk_store import (
-    LOAD_BUCKETS,
-    ChunkStore,
-    TieredChunkStore,
-    build_chunk_store,
-    parse_size,
-)
-from ragkv.cache.store_tiers import DiskChunkStore, HostChunkStore, RedisChunkStore
+from ragkv.cache.store.host_tier import HostChunkStore
+from ragkv.cache.store.redis_tier import RedisChunkStore
+from ragkv.cache.store.tier import LOAD_BUCKETS, ChunkStore
+from ragkv.cache.store.tiered import TieredChunkStore, build_chunk_store
+from ragkv.config import parse_size
 from ragkv.model.loader import inspect_checkpoint
 
 FILE_SUFFIX = ".ragkv-chunk"  # a disk tier's file is <hex key><suffix>
@@ -319,7 +317,7 @@ def test_foreign_entries_are_rejected(field, value, reason):
 
 
 def test_other_format_versions_and_malformed_headers_are_rejected(monkeypatch):
-    from ragkv.cache import chunk_format
+    from ragkv.cache.store import format as chunk_format
 
     meta = make_meta()
     record = make_record(meta)
@@ -404,7 +402,7 @@ def test_tier_round_trip_and_write_once(tier):
 def test_load_histogram_counts(monkeypatch):
     """Loads land in the first bucket that bounds them; slower ones only in `loads`."""
     clock = iter([0.0, 0.0002, 1.0, 1.003, 2.0, 2.003, 3.0, 8.0])
-    monkeypatch.setattr(store_tiers, "time",
+    monkeypatch.setattr(host_tier, "time",
                         types.SimpleNamespace(perf_counter=lambda: next(clock)))
     tier = HostChunkStore(1 << 20)
     record = tier_record(1)
@@ -574,7 +572,7 @@ class _BlockingTier(ChunkStore):
 
 
 def test_write_through_drops_writes_beyond_the_queue_and_survives_a_failing_tier(monkeypatch):
-    monkeypatch.setattr(chunk_store_module, "MAX_PENDING_WRITES", 2)
+    monkeypatch.setattr(tiered_module, "MAX_PENDING_WRITES", 2)
     tier = _BlockingTier()
     store = TieredChunkStore([tier])
     meta = make_meta()
@@ -662,7 +660,7 @@ def test_disk_tier_files_are_readable_by_other_users_and_counted_once(tmp_path, 
         replace(src, dst)
         tier.get(a.meta.key, a.meta)
 
-    monkeypatch.setattr(store_tiers.os, "replace", replace_then_read)
+    monkeypatch.setattr(disk_tier.os, "replace", replace_then_read)
     assert tier.put(a)
     assert (tier.stats().used_bytes, tier.stats().entries) == (size, 1)
     assert os.stat(RawDisk(str(tmp_path)).file(a.meta.key)).st_mode & 0o777 == 0o644
@@ -671,7 +669,7 @@ def test_disk_tier_files_are_readable_by_other_users_and_counted_once(tmp_path, 
 
 
 def test_write_queue_is_bounded_in_bytes(monkeypatch):
-    monkeypatch.setattr(chunk_store_module, "MAX_PENDING_BYTES", 2 * tier_record(0).nbytes)
+    monkeypatch.setattr(tiered_module, "MAX_PENDING_BYTES", 2 * tier_record(0).nbytes)
     tier = _BlockingTier()
     store = TieredChunkStore([tier])
     store.put(tier_record(0))
@@ -701,7 +699,7 @@ def test_redis_retry_interval_doubles_while_it_stays_down(monkeypatch):
     a bound, so the engine thread pays ever fewer timeouts; a success resets it."""
     pytest.importorskip("redis")
     clock = [1000.0]
-    monkeypatch.setattr(store_tiers.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(redis_tier.time, "monotonic", lambda: clock[0])
     tier = RedisChunkStore("redis://127.0.0.1:1/0", timeout_seconds=0.2, retry_seconds=2.0)
     a = tier_record(1)
     pauses = []
@@ -1068,21 +1066,21 @@ def test_a_planned_chunk_evicted_since_comes_back_from_the_store():
     """A request re-binding a chunk it looked up before (its plan rolled back, or preempted)
     finds it in the host tier if it was evicted meanwhile, instead of recomputing it."""
     from ragkv.cache.chunk_cache import ChunkCache
+    from ragkv.cache.chunk_key import ChunkKey
     from ragkv.cache.kv_pool import KVPool, SlotAllocator
 
     pool = KVPool(2, 64, 2, 16, torch.float32, torch.device("cpu"))
     store = build_chunk_store("host:1MiB")
     cache = ChunkCache(SlotAllocator(1, 33), store=store, pool=pool, model="m")
-    tokens = tuple(range(20))
-    key, entry = cache.lookup("ns", (1, 2), tokens)
-    assert entry is None
-    entry = cache.reserve(key, (1, 2), tokens, "ns")
+    chunk = ChunkKey(b"k" * 32, "ns", (1, 2), tuple(range(20)))
+    assert cache.lookup(chunk) is None
+    entry = cache.reserve(chunk)
     pool.write(entry.slots, torch.randn(2, 2, 20, 2, 16))
     kv = pool.read(entry.slots)[0]
     cache.complete(entry)
     cache.unpin(entry)
-    assert cache.evict(20) == 20 and cache.find(key, (1, 2), tokens) is None
-    back = cache.find_or_load(key, "ns", (1, 2), tokens)
+    assert cache.evict(20) == 20 and cache.find(chunk) is None
+    back = cache.find_or_load(chunk)
     assert back is not None and torch.equal(pool.read(back.slots)[0], kv)
     assert cache.stats().store_hits == 1 and cache.stats().lookups == 1  # uncounted lookup
     cache.check_integrity()

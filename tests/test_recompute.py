@@ -366,6 +366,7 @@ def test_select_takes_the_best_scores_ties_to_the_earlier_token():
 
 def _scheduler_request(spec):
     from ragkv.cache.chunk_cache import ChunkCache
+    from ragkv.cache.chunk_key import ChunkKeys
     from ragkv.cache.kv_manager import KVCacheManager, SeqKV
     from ragkv.cache.kv_pool import SlotAllocator
     from ragkv.engine.request import Request
@@ -381,7 +382,8 @@ def _scheduler_request(spec):
     req = Request(request_id="a", parent_id="a", index=0, prompt=None,
                   prompt_token_ids=tokens, params=GREEDY, seed=0,
                   max_tokens=2, stop_ids=frozenset(), metrics=None, layout=layout,
-                  system=tuple(S), chunks=tuple(C), namespace="n", kv=SeqKV(),
+                  chunk_keys=ChunkKeys("m", torch.float32).of_prompt(S, C, "isolated", None),
+                  kv=SeqKV(),
                   recompute=spec)
     req.metrics = RequestMetrics(arrival_time=0.0)
     return sched, cache, req

@@ -75,20 +75,20 @@ def test_lone_surrogate_cache_salt_is_refused_and_running_requests_go_on(llm):
 
 def test_failure_while_planning_one_request_fails_only_it(llm, monkeypatch):
     """Any exception raised while the scheduler plans one request (here injected into the
-    chunk-cache key of one tenant) finishes that request with an error; the others in the
+    chunk-cache lookup of one tenant) finishes that request with an error; the others in the
     same steps produce exactly their solo outputs."""
     prompts = {"a": rag("Which is denser?", salt="t1"), "b": rag("What is in bread?"),
                "c": {"prompt_token_ids": random_prompt(20, seed=3)}}
     want = {rid: solo(llm, p) for rid, p in prompts.items()}
     cache = llm.engine.chunk_cache
-    original = type(cache).key
+    original = type(cache).lookup
 
-    def key(self, namespace, system, tokens):
-        if namespace.endswith("salt=boom"):
+    def lookup(self, chunk):
+        if chunk.namespace.endswith("salt=boom"):
             raise RuntimeError("injected fault")
-        return original(self, namespace, system, tokens)
+        return original(self, chunk)
 
-    monkeypatch.setattr(type(cache), "key", key)
+    monkeypatch.setattr(type(cache), "lookup", lookup)
     engine = llm.engine
     for rid, prompt in prompts.items():
         engine.add_request(prompt, GREEDY, request_id=rid)

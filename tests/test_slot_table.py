@@ -10,10 +10,10 @@ from array import array
 import pytest
 import torch
 
-from ragkv.cache.chunk_cache import ChunkCache
-from ragkv.cache.chunk_format import token_hash
+from ragkv.cache.chunk_key import ChunkKeys
 from ragkv.cache.kv_manager import SeqKV
 from ragkv.cache.slot_table import LONG_RUN, MAX_ROW_COPIES, PAD_ROW, SlotTable
+from ragkv.cache.store.format import token_hash
 from ragkv.host_ints import int64_bytes, int64_tensor
 
 
@@ -29,13 +29,13 @@ def test_int64_packing_gives_array_q_bytes(values):
 def test_chunk_keys_are_those_of_array_q():
     """Chunk keys name entries in stores other replicas and earlier versions wrote: the
     packing that builds them must not change a single byte."""
-    cache = ChunkCache(None)
+    keys = ChunkKeys("model", torch.float32)
     system, tokens = (1, 2, 3), tuple(range(7, 600))
     h = hashlib.sha256()
     for part in (b"ns", array("q", system).tobytes(), array("q", tokens).tobytes()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
-    assert cache.key("ns", system, tokens) == h.digest()
+    assert keys.hash("ns", system, tokens) == h.digest()
     assert token_hash(tokens) == hashlib.sha256(array("q", tokens).tobytes()).hexdigest()
 
 

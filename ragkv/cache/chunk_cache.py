@@ -2,14 +2,10 @@
 reusable by any request with that system prompt (any system prompt), at any place among its
 chunks.
 
-Under ragkv's semantics a chunk's KV depends only on (model, system tokens, chunk tokens) for
-`isolated` chunks and on (model, chunk tokens) for `standalone` ones; its keys are stored
-rotated for the chunk's base positions (right after S, or from 0), and a request placing it
-elsewhere rotates them at attention time, never in the cache. So an entry is keyed by a hash of
-the tokens it depends on and of a namespace (model fingerprint, dtype, storage convention,
-attention scope, the request's cache salt: tenants never share entries); the position strategy
-is not part of it, because the stored bytes do not depend on it. Tokens are compared on every
-hit, so a hash collision can never serve wrong KV.
+An entry is found by its `ChunkKey` (chunk_key.py: the hash of what the chunk's KV depends
+on, with those tokens, which are compared on every hit so a hash collision can never serve
+wrong KV). Its keys are stored rotated for the chunk's base positions; a request placing it
+elsewhere turns them at attention time, never in the cache.
 
 Entries live in their own region of the KV pool with their own allocator, so the chunk cache
 cannot starve running requests nor be starved by them. Rules:
@@ -20,46 +16,42 @@ cannot starve running requests nor be starved by them. Rules:
 - `complete` marks the owner's computation done; `abandon` drops an unfinished entry whose
   owner stopped (its slots are freed once nobody pins it).
 
-With a chunk store (chunk_store.py) behind it, a lookup that misses the pool asks the store's
+With a chunk store (store/tiered.py) behind it, a lookup that misses the pool asks the store's
 tiers and promotes a verified hit into the pool (a hit for the request); a completed entry is
 written through to the shared tiers, and an evicted one is demoted to the host tier.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..host_ints import int64_bytes
-from .chunk_format import ChunkMeta, ChunkRecord
-from .chunk_store import TieredChunkStore, TierStats
+from .chunk_key import ChunkKey
 from .kv_pool import KVPool, SlotAllocator
-
-SUPPORTED_HASHES = ("sha256", "xxh3_128")
+from .store.format import ChunkMeta, ChunkRecord
+from .store.tier import TierStats
+from .store.tiered import TieredChunkStore
 
 logger = logging.getLogger("ragkv")
 
 
 class ChunkEntry:
-    __slots__ = ("key", "namespace", "system", "tokens", "slots", "ref_count", "complete",
-                 "alive")
+    """One chunk's KV in the chunk region: its `id`, its slots, and who pins it."""
 
-    def __init__(self, key: bytes, system: tuple[int, ...], tokens: tuple[int, ...],
-                 slots: list[int], namespace: str = "") -> None:
-        self.key = key
-        self.namespace = namespace
-        self.system = system
-        self.tokens = tokens
+    __slots__ = ("id", "key", "slots", "ref_count", "complete", "alive")
+
+    def __init__(self, chunk: ChunkKey, slots: list[int]) -> None:
+        self.id = chunk
+        self.key = chunk.key
         self.slots = slots
         self.ref_count = 0
         self.complete = False
         self.alive = True
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.id.tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,17 +92,11 @@ class ChunkCacheStats:
 
 
 class ChunkCache:
-    def __init__(self, allocator: SlotAllocator | None, hash_algo: str = "sha256",
-                 store: TieredChunkStore | None = None, pool: KVPool | None = None,
-                 model: str = "") -> None:
+    def __init__(self, allocator: SlotAllocator | None, store: TieredChunkStore | None = None,
+                 pool: KVPool | None = None, model: str = "") -> None:
         """`store` (with the `pool` whose chunk region `allocator` hands out, and the `model`
         fingerprint its entries must carry) backs the pool; None keeps chunks in the pool only."""
-        if hash_algo not in SUPPORTED_HASHES:
-            raise ValueError(f"chunk_hash_algo must be one of {SUPPORTED_HASHES}, "
-                             f"got {hash_algo!r}")
         self.allocator = allocator
-        self.hash_algo = hash_algo
-        self._hasher = _make_hasher(hash_algo)
         self._entries: dict[bytes, ChunkEntry] = {}
         # Complete entries nobody pins, least recently used first: the eviction order.
         self._lru: OrderedDict[bytes, ChunkEntry] = OrderedDict()
@@ -130,27 +116,18 @@ class ChunkCache:
     def capacity(self) -> int:
         return self.allocator.capacity if self.allocator else 0
 
-    def key(self, namespace: str, system: tuple[int, ...], tokens: tuple[int, ...]) -> bytes:
-        h = self._hasher()
-        for part in (namespace.encode(), int64_bytes(system), int64_bytes(tokens)):
-            h.update(len(part).to_bytes(8, "little"))
-            h.update(part)
-        return h.digest()
-
-    def lookup(self, namespace: str, system: tuple[int, ...],
-               tokens: tuple[int, ...]) -> tuple[bytes, ChunkEntry | None]:
+    def lookup(self, chunk: ChunkKey) -> ChunkEntry | None:
         """Find the entry for this chunk (complete or being computed); counts a hit or miss."""
         start = time.perf_counter()
-        key = self.key(namespace, system, tokens)
-        entry = self.find_or_load(key, namespace, system, tokens)
+        entry = self.find_or_load(chunk)
         self.lookups += 1
         if entry is None:
             self.misses += 1
         else:
             self.hits += 1
-            self.hit_tokens += len(tokens)
+            self.hit_tokens += len(chunk)
         self._lookup_seconds += time.perf_counter() - start
-        return key, entry
+        return entry
 
     def count_repositioned(self, num_tokens: int) -> None:
         """A looked-up chunk of `num_tokens` is used away from its cached positions."""
@@ -162,22 +139,22 @@ class ChunkCache:
         self.recomputed_requests += 1
         self.recomputed_tokens += num_tokens
 
-    def find(self, key: bytes, system: tuple[int, ...],
-             tokens: tuple[int, ...]) -> ChunkEntry | None:
-        """The entry under `key` if it holds exactly these tokens (a hash collision never
-        serves another chunk's KV); uncounted, for a request re-checking a chunk it waits for."""
-        entry = self._entries.get(key)
-        if entry is not None and (entry.tokens != tokens or entry.system != system):
+    def find(self, chunk: ChunkKey) -> ChunkEntry | None:
+        """The entry under the chunk's key if it holds exactly its tokens (a hash collision
+        never serves another chunk's KV); uncounted, for a request re-checking a chunk it
+        waits for."""
+        entry = self._entries.get(chunk.key)
+        if entry is not None and (entry.id.tokens != chunk.tokens
+                                  or entry.id.system != chunk.system):
             return None
         return entry
 
-    def find_or_load(self, key: bytes, namespace: str, system: tuple[int, ...],
-                     tokens: tuple[int, ...]) -> ChunkEntry | None:
+    def find_or_load(self, chunk: ChunkKey) -> ChunkEntry | None:
         """`find`, else the chunk promoted from the store (evicted to a tier since the request
         first looked it up); uncounted, like `find`."""
-        entry = self.find(key, system, tokens)
-        if entry is None and self.store is not None and key not in self._entries:
-            entry = self._load(key, namespace, system, tokens)
+        entry = self.find(chunk)
+        if entry is None and self.store is not None and chunk.key not in self._entries:
+            entry = self._load(chunk)
         return entry
 
     def pin(self, entry: ChunkEntry) -> None:
@@ -198,21 +175,19 @@ class ChunkCache:
             self._lru[entry.key] = entry
             self._lru_tokens += len(entry)
 
-    def reserve(self, key: bytes, system: tuple[int, ...], tokens: tuple[int, ...],
-                namespace: str) -> ChunkEntry | None:
+    def reserve(self, chunk: ChunkKey) -> ChunkEntry | None:
         """A new entry to be computed by the caller, pinned once; None if it cannot fit."""
-        if self.allocator is None or len(tokens) > self.allocator.capacity:
+        if self.allocator is None or len(chunk) > self.allocator.capacity:
             return None
-        if key in self._entries:
+        if chunk.key in self._entries:
             return None  # another chunk holds this hash: compute this one uncached
-        need = len(tokens) - self.allocator.num_free
+        need = len(chunk) - self.allocator.num_free
         if need > self._lru_tokens:
             return None
         self.evict(need)
-        slots = self.allocator.alloc(len(tokens))
-        entry = ChunkEntry(key, system, tokens, slots, namespace)
+        entry = ChunkEntry(chunk, self.allocator.alloc(len(chunk)))
         entry.ref_count = 1
-        self._entries[key] = entry
+        self._entries[chunk.key] = entry
         return entry
 
     def pending_entries(self) -> list[ChunkEntry]:
@@ -243,37 +218,33 @@ class ChunkCache:
             return
         self.store.put(record)
 
-    def meta(self, key: bytes, namespace: str, system: tuple[int, ...],
-              tokens: tuple[int, ...]) -> ChunkMeta:
+    def meta(self, chunk: ChunkKey) -> ChunkMeta:
         _, layers, _, heads, dim = self.pool.kv.shape
-        return ChunkMeta.describe(key, self.model, self.pool.kv.dtype, namespace, system, tokens,
-                                  (layers, heads, dim))
+        return ChunkMeta.describe(chunk.key, self.model, self.pool.kv.dtype, chunk.namespace,
+                                  chunk.system, chunk.tokens, (layers, heads, dim))
 
     def _record(self, entry: ChunkEntry) -> ChunkRecord:
         kv, ready = self.pool.read(entry.slots)
-        return ChunkRecord(self.meta(entry.key, entry.namespace, entry.system, entry.tokens),
-                           kv, ready)
+        return ChunkRecord(self.meta(entry.id), kv, ready)
 
-    def _load(self, key: bytes, namespace: str, system: tuple[int, ...],
-              tokens: tuple[int, ...]) -> ChunkEntry | None:
+    def _load(self, chunk: ChunkKey) -> ChunkEntry | None:
         """Promote the chunk from the store into the pool: a complete, unpinned entry, or None
         (not stored, or no room in the region)."""
-        if self.allocator is None or len(tokens) - self.allocator.num_free > self._lru_tokens:
+        if self.allocator is None or len(chunk) - self.allocator.num_free > self._lru_tokens:
             return None  # no room even after evicting every unused entry: do not read it
-        found = self.store.get(self.meta(key, namespace, system, tokens))
+        found = self.store.get(self.meta(chunk))
         if found is None:
             return None
-        entry = self.insert(key, namespace, system, tokens, found[0].kv)
+        entry = self.insert(chunk, found[0].kv)
         if entry is not None:
             self.store_hits += 1
-            self.store_hit_tokens += len(tokens)
+            self.store_hit_tokens += len(chunk)
         return entry
 
-    def insert(self, key: bytes, namespace: str, system: tuple[int, ...],
-               tokens: tuple[int, ...], kv) -> ChunkEntry | None:
+    def insert(self, chunk: ChunkKey, kv) -> ChunkEntry | None:
         """A complete, unpinned entry holding `kv` (loaded, not computed: it is not written
         back to the store), or None if the region cannot make room."""
-        entry = self.reserve(key, system, tokens, namespace)
+        entry = self.reserve(chunk)
         if entry is None:
             return None
         self.pool.write(entry.slots, kv)
@@ -368,7 +339,7 @@ class ChunkCache:
                 f"capacity {self.capacity} (or a slot is held twice)"
             )
         for key, entry in self._entries.items():
-            if entry.key != key or not entry.alive or len(entry.slots) != len(entry.tokens):
+            if entry.key != key or not entry.alive or len(entry.slots) != len(entry):
                 raise AssertionError("chunk cache: malformed entry")
             in_lru = key in self._lru
             if in_lru != (entry.ref_count == 0 and entry.complete):
@@ -383,13 +354,3 @@ class ChunkCache:
             if counted != {k: v for k, v in pins.items() if v}:
                 raise AssertionError("chunk cache: pin counts disagree with live requests")
 
-
-def _make_hasher(algo: str):
-    if algo == "sha256":
-        return hashlib.sha256
-    try:
-        import xxhash
-    except ImportError as e:
-        raise ValueError("chunk_hash_algo='xxh3_128' needs the xxhash package "
-                         "(pip install 'ragkv[xxhash]')") from e
-    return xxhash.xxh3_128

@@ -11,11 +11,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..cache.chunk_cache import ChunkCache, ChunkCacheStats
-from ..cache.chunk_format import FORMAT_VERSION, ChunkMeta
-from ..cache.chunk_store import build_chunk_store
+from ..cache.chunk_key import ChunkKeys
 from ..cache.kv_manager import KVCacheManager, SeqKV
 from ..cache.kv_pool import KVPool, SlotAllocator
 from ..cache.slot_table import SlotTable
+from ..cache.store.format import ChunkMeta
+from ..cache.store.tiered import build_chunk_store
 from ..config import (
     DEFAULT_CPU_KV_BYTES,
     DEFAULT_GPU_KV_FRACTION,
@@ -63,11 +64,6 @@ _SEED_MASK = (1 << 64) - 1
 def _int64(bits: int) -> int:
     """A 64-bit pattern as the signed integer an int64 tensor holds."""
     return bits - (1 << 64) if bits >= 1 << 63 else bits
-
-
-# How chunk KV is stored, part of every chunk-cache key: keys rotated for the chunk's base
-# positions (after S for isolated chunks, from 0 for standalone ones).
-KV_STORAGE = "k=rope@base"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +119,10 @@ class Engine:
                                              pin_memory=self.device.type == "cuda")
         if config.enable_chunk_cache:
             region = SlotAllocator(general_end, self.layout.num_slots)
-            self.chunk_cache = ChunkCache(region, config.chunk_hash_algo, self.chunk_store,
-                                          self.pool, checkpoint.fingerprint)
+            self.chunk_cache = ChunkCache(region, self.chunk_store, self.pool,
+                                          checkpoint.fingerprint)
+            self.chunk_keys_of = ChunkKeys(checkpoint.fingerprint, self.dtype,
+                                           config.chunk_hash_algo)
         # Chunks offloaded by sleep(), restored into the pool by wake_up().
         self._asleep: list | None = None
         debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
@@ -142,11 +140,6 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.token_cache = (TokenCache(self.tokenizer, config.tokenizer_cache_mb << 20)
                             if config.tokenizer_cache_mb else None)
-        # The store's entry format is in the namespace, so in the key: replicas of two versions
-        # during a rolling upgrade use different keys instead of deleting each other's entries
-        # as unreadable.
-        self._namespace = (f"{checkpoint.fingerprint}|{self.dtype}|{KV_STORAGE}"
-                           f"|format={FORMAT_VERSION}")
         self._check_rope(config.position_strategy, config.chunk_attention)
         if config.recompute != "none":
             self._resolve_check_layers(config.recompute)
@@ -292,8 +285,7 @@ class Engine:
         strategy, attention = self._layout_of(parsed)
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
-        namespace, system = self._chunk_scope(parsed, layout.sees_system)
-        chunks = tuple(tuple(c) for c in parsed.chunks)
+        chunk_keys = self._chunk_keys(parsed, attention)
         repositioned = sum(b - a for a, b, _ in layout.rotations)
         recompute = self._recompute_of(parsed) if parsed.chunks else None
         stop_ids = set(params.stop_token_ids)
@@ -312,7 +304,7 @@ class Engine:
                 metrics=RequestMetrics(arrival_time=arrival,
                                        num_repositioned_tokens=repositioned),
                 layout=layout,
-                system=system, chunks=chunks, namespace=namespace,
+                chunk_keys=chunk_keys,
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
@@ -325,13 +317,12 @@ class Engine:
             self.scheduler.add(child)
         return request_id
 
-    def _chunk_scope(self, parsed: ChunkedPrompt,
-                     sees_system: bool) -> tuple[str, tuple[int, ...]]:
-        """The chunk-cache namespace of a prompt's chunks and the system tokens their KV
-        depends on (none for standalone chunks, whose key leaves S out)."""
-        _, attention = self._layout_of(parsed)
-        namespace = f"{self._namespace}|attention={attention}|salt={parsed.cache_salt or ''}"
-        return namespace, tuple(parsed.system) if sees_system else ()
+    def _chunk_keys(self, parsed: ChunkedPrompt, attention: str) -> tuple:
+        """The chunk-cache keys of a prompt's chunks (none without a chunk cache)."""
+        if self.chunk_cache is None or not parsed.chunks:
+            return ()
+        return self.chunk_keys_of.of_prompt(parsed.system, parsed.chunks, attention,
+                                            parsed.cache_salt)
 
     def chunk_keys(self, prompt: object) -> list[str]:
         """Hex chunk-cache keys (the chunk store's keys) of a prompt's chunks, in order."""
@@ -340,15 +331,8 @@ class Engine:
     def chunk_metas(self, prompt: object) -> list[ChunkMeta]:
         """What the chunk store's entries of a prompt's chunks must describe, in order."""
         parsed = self.process_prompt(prompt)
-        if self.chunk_cache is None or not parsed.chunks:
-            return []
-        strategy, attention = self._layout_of(parsed)
-        layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
-                                    strategy, attention)
-        namespace, system = self._chunk_scope(parsed, layout.sees_system)
-        cache = self.chunk_cache
-        return [cache.meta(cache.key(namespace, system, tuple(c)), namespace, system, tuple(c))
-                for c in parsed.chunks]
+        _, attention = self._layout_of(parsed)
+        return [self.chunk_cache.meta(k) for k in self._chunk_keys(parsed, attention)]
 
     def sleep(self) -> None:
         """Free the KV pool's memory (vLLM's `sleep`, level 1 for the KV cache; the weights
@@ -377,8 +361,7 @@ class Engine:
                 graphs.capture()
         offloaded, self._asleep = self._asleep, None
         for entry, record in offloaded:
-            self.chunk_cache.insert(entry.key, entry.namespace, entry.system, entry.tokens,
-                                    record.kv)
+            self.chunk_cache.insert(entry.id, record.kv)
 
     def is_sleeping(self) -> bool:
         return self._asleep is not None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..cache.chunk_cache import ChunkEntry
+from ..cache.chunk_key import ChunkKey
 from ..cache.kv_manager import SeqKV
 from ..outputs import Logprob, RequestMetrics
 from ..sampling.detokenizer import IncrementalDetokenizer
@@ -152,11 +153,8 @@ class Request:
     stop_ids: frozenset[int]  # token ids that end generation (EOS unless ignored, stop ids)
     metrics: RequestMetrics
     layout: PromptLayout
-    # Chunk-cache keys: what a chunk's KV depends on besides its own tokens (S under isolated
-    # attention, nothing under standalone), and each chunk's tokens.
-    system: tuple[int, ...] = ()
-    chunks: tuple[tuple[int, ...], ...] = ()
-    namespace: str = ""  # chunk-cache namespace (model, dtype, attention scope, cache salt)
+    # Each chunk's key in the chunk cache (none without one), made once per request.
+    chunk_keys: tuple[ChunkKey, ...] = ()
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
     kv: SeqKV = field(default_factory=SeqKV)
@@ -166,7 +164,9 @@ class Request:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     bindings: list[ChunkBinding | None] = field(default_factory=list)
-    chunk_keys: list[bytes | None] = field(default_factory=list)  # set on first lookup
+    # Whether chunk i was looked up (counted) already: later bindings (after a rollback or a
+    # preemption) re-check the cache uncounted.
+    looked_up: list[bool] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None
     error: str | None = None  # why the request failed (status FINISHED_ERROR)
     # The last `num_scored_tokens` prompt tokens keep their next-token log-probabilities
@@ -195,8 +195,8 @@ class Request:
             self.cumulative_logprob = 0.0
         if self.params.counts_tokens:
             self.output_counts = Counter(self.output_token_ids)
-        self.bindings = [None] * len(self.chunks)
-        self.chunk_keys = [None] * len(self.chunks)
+        self.bindings = [None] * len(self.layout.chunk_bounds)
+        self.looked_up = [False] * len(self.chunk_keys)
 
     @property
     def num_cached_tokens(self) -> int:

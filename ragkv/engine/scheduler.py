@@ -321,36 +321,38 @@ class Scheduler:
                     may_preempt: bool) -> ChunkBinding:
         """Decide where chunk i's KV comes from and append its slots to the request's list."""
         cache = self.chunk_cache
-        tokens = req.chunks[i]
         if cache is not None:
-            if req.chunk_keys[i] is None:
-                req.chunk_keys[i], entry = cache.lookup(req.namespace, req.system, tokens)
+            chunk = req.chunk_keys[i]
+            if not req.looked_up[i]:
+                req.looked_up[i] = True
+                entry = cache.lookup(chunk)
                 if req.layout.chunk_deltas[i]:
-                    cache.count_repositioned(len(tokens))
+                    cache.count_repositioned(len(chunk))
                 if entry is None:
                     req.metrics.num_chunk_misses += 1
                 else:
                     req.metrics.num_chunk_hits += 1
-                    req.metrics.num_chunk_cached_tokens += len(tokens)
+                    req.metrics.num_chunk_cached_tokens += len(chunk)
             else:  # planned before (rolled back, or preempted): counted then
-                entry = cache.find_or_load(req.chunk_keys[i], req.namespace, req.system, tokens)
+                entry = cache.find_or_load(chunk)
             if entry is not None:
                 if not (entry.complete or entry in out.completing):
                     raise _Blocked(_Stop.CHUNK_WAIT)  # being computed: use it when done
                 binding = ChunkBinding(entry, computing=False)
                 cache.pin(entry)
             else:
-                entry = cache.reserve(req.chunk_keys[i], req.system, tokens, req.namespace)
+                entry = cache.reserve(chunk)
                 binding = ChunkBinding(entry, computing=True) if entry else None
             if binding is not None:
                 start = len(req.kv.slots)
                 req.kv.slots.extend(binding.entry.slots)
-                req.kv.borrowed.append((start, start + len(tokens)))
+                req.kv.borrowed.append((start, start + len(chunk)))
                 req.bindings[i] = binding
                 return binding
         # No chunk cache, or the chunk cannot fit its region: compute it in the general
         # region, uncached.
-        req.kv.slots.extend(self._alloc(req, len(tokens), out, may_preempt))
+        start, end = req.layout.chunk_bounds[i]
+        req.kv.slots.extend(self._alloc(req, end - start, out, may_preempt))
         req.bindings[i] = ChunkBinding(None, computing=True)
         return req.bindings[i]
 

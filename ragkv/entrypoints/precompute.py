@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..cache.chunk_store import MAX_PENDING_WRITES
+from ..cache.store.tiered import MAX_PENDING_WRITES
 from ..sampling.params import SamplingParams
 
 logger = logging.getLogger("ragkv")

@@ -11,7 +11,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ..cache.chunk_store import LOAD_BUCKETS, TieredChunkStore
+from ..cache.store.tier import LOAD_BUCKETS
+from ..cache.store.tiered import TieredChunkStore
 from ..engine.engine import Engine
 from ..outputs import RequestOutput
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..host_ints import int64_bytes
+from ...host_ints import int64_bytes
 
 FORMAT_VERSION = 1
 MAGIC = b"RAGKVKV\0"
