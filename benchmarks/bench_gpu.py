@@ -101,11 +101,11 @@ def build_checkpoint(args, path: str):
 def compiled_variants() -> int | None:
     """Compiled variants of the Triton kernels so far (None: not readable here)."""
     try:
-        from ragkv.model import triton_attention, triton_ops
+        from ragkv.model.backends import triton_kernels, triton_ops
     except ImportError:
         return None
     total = 0
-    for module in (triton_attention, triton_ops):
+    for module in (triton_kernels, triton_ops):
         for value in vars(module).values():
             caches = getattr(value, "device_caches", None)
             if isinstance(caches, dict):
@@ -164,7 +164,7 @@ def ttft_breakdown(llm, run, reps: int) -> dict:
     launch call, the graph on the device (CUDA events around it), the wait for the sampled
     token, and what follows (outputs). Without a graph (eager steps, or a CPU) the step is
     one figure, `execute`."""
-    from ragkv.engine import engine as engine_module
+    from ragkv.engine import output_processor
 
     engine, runner = llm.engine, llm.engine.runner
     cuda = torch.cuda.is_available() and runner.device.type == "cuda"
@@ -188,7 +188,7 @@ def ttft_breakdown(llm, run, reps: int) -> dict:
     # (owner, attribute, marks): sample returns after its device-to-host sync.
     hooks = ((engine.scheduler, "schedule", ("schedule", "scheduled")),
              (runner, "execute", ("execute", "executed")),
-             (engine_module, "sample", ("sample", "sampled")),
+             (output_processor, "sample", ("sample", "sampled")),
              (torch.cuda.CUDAGraph, "replay", ("replay", "replayed")))
     # What each owner held itself (an instance usually holds none: its class's method).
     own = [(owner, name, vars(owner).get(name)) for owner, name, _ in hooks]
@@ -244,7 +244,7 @@ def question_attention(args, dtype: torch.dtype, floors: dict, n_q: int, n_kv: i
     one shared copy (17.6 MB at the 8B shape) would be served from the L2 cache after the
     first layer. Splits are the ones the engine's step plans, for KV lists up to `plan_len`
     (the extend graphs plan for max_model_len), then a sweep of other counts."""
-    from ragkv.model import triton_attention as ta
+    from ragkv.model.backends import triton_kernels as ta
 
     device = torch.device(args.device)
     head_dim = args.hidden // args.heads
@@ -295,7 +295,7 @@ def tile_sweep(graphed, args, device: torch.device, dtype: torch.dtype, n_q: int
     """The packed launch with other tiles (BLOCK_M, BLOCK_N, warps, pipeline stages), each
     at one wave of programs as the engine plans it: data for tuning the kernel, not a choice
     the engine makes. A tile that does not compile (shared memory) is reported, not fatal."""
-    from ragkv.model import triton_attention as ta
+    from ragkv.model.backends import triton_kernels as ta
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     group = args.heads // args.kv_heads

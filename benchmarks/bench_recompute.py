@@ -39,7 +39,7 @@ def main() -> None:
 
     from ragkv import LLM, RAGPrompt, SamplingParams
     from ragkv.bench.flops import full_prefill_flops, recompute_flops
-    from ragkv.engine.recompute import check_layers_for
+    from ragkv.recompute.policy import check_layers_for
 
     llm = LLM(args.model, max_num_batched_tokens=4096, position_strategy="sequential")
     mc = llm.engine.model_config

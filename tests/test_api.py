@@ -509,7 +509,7 @@ def test_request_metrics_of_n_samples_end_with_the_last(llm):
     engine = llm.engine
     rid = engine.add_request("Once upon a time", SamplingParams(n=2, max_tokens=6,
                                                                ignore_eos=True))
-    children = list(engine._parents[rid])
+    children = list(engine.outputs._parents[rid])
     children[0].max_tokens = 2  # sample 0 finishes steps before sample 1
     children[1].metrics.num_preemptions = 3  # as if the scheduler had preempted it
     final = None

@@ -1,5 +1,5 @@
-"""The QA data of `ragkv eval` (ragkv/eval/suite.py) and `ragkv demo` (ragkv/demo_corpus.py):
-pure data checks, no model."""
+"""The QA data of `ragkv eval` (ragkv/eval/suite.py) and `ragkv demo`
+(ragkv/entrypoints/demo_corpus.py): pure data checks, no model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ragkv import demo_corpus
+from ragkv.entrypoints import demo_corpus
 from ragkv.eval.suite import (
     MAX_DOCUMENTS,
     MAX_TWO_HOP_DOCUMENTS,

@@ -21,15 +21,15 @@ from reference import layout_reference, rag_layout
 from test_rag import GREEDY, TOL, check_outputs, make_llm, plain, rag, reference, run
 
 from ragkv import LLM, SamplingParams
-from ragkv.model.attention import (
-    AttentionMetadata,
+from ragkv.model.backends.base import AttentionBatch, causal_mask
+from ragkv.model.backends.torch_sdpa import (
     build_decode_turns,
-    causal_mask,
-    rotated_attention,
-    rotated_keys_attention,
+    turned_attention,
     turned_decode,
+    turned_keys_attention,
 )
 from ragkv.model.layers import RotaryEmbedding, apply_rotary
+from ragkv.model.reposition import TurnTable
 
 SEQ_ISO = ("sequential", "isolated")
 SHARED_ALONE = ("shared", "standalone")
@@ -276,20 +276,20 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     replays are stand-ins that run the same forward on the same buffers (Triton
     interpreted)."""
     pytest.importorskip("triton")
-    from ragkv.model.cuda_graph import DecodeGraphs
+    from ragkv.model.backends.cuda_graph import DecodeGraphs
 
     llm, hf = _triton_llm(llama)
     engine = llm.engine
     graphs = engine.runner.graphs
     if graphs is None:
         graphs = DecodeGraphs(engine.model, engine.pool, engine.runner.backend,
-                              engine.slot_table, 4, engine.max_model_len)
+                              engine.runner.slot_table, 4, engine.max_model_len)
         _stand_in_graphs(graphs, rows=lambda size: size)
         engine.runner.graphs = graphs
     runs = []
     original = graphs.run
     monkeypatch.setattr(graphs, "run", lambda works: runs.append(
-        sum(len(w.kv_rotations) for w in works)) or original(works))
+        sum(len(w.turns) for w in works)) or original(works))
     S = random_prompt(9, seed=90)
     A, B, C = random_prompt(14, seed=91), random_prompt(8, seed=92), random_prompt(11, seed=93)
     run(llm, hf, [rag(S, [A, B, C], random_prompt(5, seed=94), layout=layout),
@@ -315,21 +315,21 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
     without one, stand-ins that run the same forward on the same buffers (Triton
     interpreted)."""
     pytest.importorskip("triton")
-    from ragkv.model.cuda_graph import ExtendGraphs
+    from ragkv.model.backends.cuda_graph import ExtendGraphs
 
     llm, hf = _triton_llm(llama, max_num_batched_tokens=32)
     engine = llm.engine
     graphs = engine.runner.extend_graphs
     if graphs is None:
         graphs = ExtendGraphs(engine.model, engine.pool, engine.runner.backend,
-                              engine.slot_table, 32, engine.max_model_len)
+                              engine.runner.slot_table, 32, engine.max_model_len)
         _stand_in_graphs(graphs, rows=lambda size: 1)
         engine.runner.extend_graphs = graphs
     assert graphs.sizes == [8, 16, 32]
     runs = []
     original = graphs.run
     monkeypatch.setattr(graphs, "run", lambda works: runs.append(
-        (len(works[0].token_ids), len(works[0].kv_rotations))) or original(works))
+        (len(works[0].token_ids), len(works[0].turns))) or original(works))
     S = random_prompt(9, seed=80)
     A, B = random_prompt(14, seed=81), random_prompt(8, seed=82)
     run(llm, hf, [rag(S, [A, B], random_prompt(5, seed=83))])  # cold: the question is graphed
@@ -454,8 +454,8 @@ def test_rotation_refused_for_dynamic_rope():
 
 @pytest.mark.parametrize("q_len", [1, 5])
 def test_turning_queries_equals_rotating_keys(q_len):
-    """`rotated_attention` (queries turned back per range) equals SDPA over keys rotated
-    forward, with GQA, several ranges (one at the list's end) and the causal tail."""
+    """`turned_attention` (queries turned back per turn) equals SDPA over keys rotated
+    forward, with GQA, several turns (one at the list's end) and the causal tail."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, d, k_len = 8, 2, 64, 60
     rot = RotaryEmbedding(d, ROPES["yarn"], 512, 512, torch.float32, torch.device("cpu"))
@@ -466,10 +466,10 @@ def test_turning_queries_equals_rotating_keys(q_len):
     if q_len == 1:
         ranges.append((52, 60, 7))
     deltas = [delta for _, _, delta in ranges]
-    cos, sin = rot.rotation([-x for x in deltas])
+    table = TurnTable.build(rot, deltas)
+    turns = table.by_row(ranges)
     mask = causal_mask(q_len, k_len, q.device) if q_len > 1 else None
-    got = rotated_attention(q, ks, vs, tuple((a, b, i) for i, (a, b, _) in enumerate(ranges)),
-                            cos, sin, 0.125, mask)
+    got = turned_attention(q, ks, vs, turns, table, 0.125, mask)
     fwd_cos, fwd_sin = rot.rotation(deltas)
     moved = ks.clone()
     for i, (a, b, _) in enumerate(ranges):
@@ -481,9 +481,7 @@ def test_turning_queries_equals_rotating_keys(q_len):
     assert (got - want).abs().max() < 1e-5
     # The many-queries route turns the keys instead (a private copy): the same attention.
     tail = mask[:, k_len - q_len:] if mask is not None else None
-    other = rotated_keys_attention(q, ks.clone(), vs,
-                                   tuple((a, b, i) for i, (a, b, _) in enumerate(ranges)),
-                                   cos, sin, 0.125, tail)
+    other = turned_keys_attention(q, ks.clone(), vs, turns, table, 0.125, tail)
     assert (other - want).abs().max() < 1e-5
 
 
@@ -493,10 +491,10 @@ def test_scattered_queries_see_the_entries_up_to_their_own():
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, d, k_len = 4, 2, 32, 40
     at = torch.tensor([3, 4, 11, 25, 39])
-    meta = AttentionMetadata(q_lens=[5], kv_lens=[k_len], q_starts=[0], kv_indices=[],
-                             write_slots=torch.zeros(5), self_only=[False], seq_lens=[40],
-                             query_index=[at])
-    mask = meta.mask(0, torch.device("cpu"))
+    batch = AttentionBatch(q_lens=[5], kv_lens=[k_len], q_starts=[0], kv_indices=[],
+                           write_slots=torch.zeros(5), num_heads=heads, num_kv_heads=kv_heads,
+                           query_index=[at])
+    mask = batch.mask(0, torch.device("cpu"))
     assert mask.shape == (5, k_len - 3) and mask[0].sum() == 1 and mask[-1].all()
     q = torch.randn(5, heads, d, generator=gen)
     ks = torch.randn(k_len, kv_heads, d, generator=gen)
@@ -505,32 +503,31 @@ def test_scattered_queries_see_the_entries_up_to_their_own():
     want = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
         attn_mask=full, scale=0.2, enable_gqa=True)[0].transpose(0, 1)
-    for attend in (rotated_attention, rotated_keys_attention):
-        got = attend(q, ks.clone(), vs, (), None, None, 0.2, mask)
+    for attend in (turned_attention, turned_keys_attention):
+        got = attend(q, ks.clone(), vs, (), None, 0.2, mask)
         assert (got - want).abs().max() < 1e-5
 
 
 def test_batched_turned_decode_equals_one_row_at_a_time():
     """Decode rows with different re-positioned ranges, one with none, padded to the longest
-    list: the batched path gives each row what `rotated_attention` gives it alone."""
+    list: the batched path gives each row what `turned_attention` gives it alone."""
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, d = 8, 4, 32
     rot = RotaryEmbedding(d, ROPES["llama3"], 512, 512, torch.float32, torch.device("cpu"))
-    deltas = [5, 90, 300]
-    cos, sin = rot.rotation([-x for x in deltas])
+    table = TurnTable.build(rot, [5, 90, 300])
     lens = [40, 25, 33]
     ranges = [((2, 10, 0), (10, 30, 2)), (), ((0, 33, 1),)]
-    meta = AttentionMetadata(q_lens=[1, 1, 1], kv_lens=lens, q_starts=[0, 1, 2], kv_indices=[],
-                             write_slots=torch.zeros(3, dtype=torch.long), self_only=[False] * 3,
-                             seq_lens=lens, rotations=list(ranges), rotation_cos=cos,
-                             rotation_sin=sin)
+    batch = AttentionBatch(q_lens=[1, 1, 1], kv_lens=lens, q_starts=[0, 1, 2], kv_indices=[],
+                           write_slots=torch.zeros(3, dtype=torch.long), num_heads=heads,
+                           num_kv_heads=kv_heads, turns=list(ranges), turn_table=table)
     q = torch.randn(3, heads, d, generator=gen)
     ks = torch.randn(3, kv_heads, 40, d, generator=gen)
     vs = torch.randn(3, kv_heads, 40, d, generator=gen)
     mask = (torch.arange(40)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-    got = turned_decode(q, ks, vs, *build_decode_turns(meta, [0, 1, 2], 40, q.device), mask, 0.2)
+    got = turned_decode(q, ks, vs, *build_decode_turns(batch, [0, 1, 2], 40, q.device), mask,
+                        0.2)
     for b in range(3):
         n = lens[b]
-        want = rotated_attention(q[b:b + 1], ks[b, :, :n].transpose(0, 1),
-                                 vs[b, :, :n].transpose(0, 1), ranges[b], cos, sin, 0.2, None)
+        want = turned_attention(q[b:b + 1], ks[b, :, :n].transpose(0, 1),
+                                vs[b, :, :n].transpose(0, 1), ranges[b], table, 0.2, None)
         assert (got[b] - want[0]).abs().max() < 1e-5

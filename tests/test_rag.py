@@ -533,4 +533,4 @@ def test_xxh3_chunk_hash_gives_the_same_reuse(llama):
     q = random_prompt(5, seed=133)
     run(llm, hf, [rag(S, [A, B], q)], ["MM"])
     run(llm, hf, [rag(S, [B, A], q)], ["HH"])
-    assert len(llm.engine.chunk_keys_of.hash("ns", (1,), (2,))) == 16
+    assert len(llm.engine.inputs.chunk_keys.hash("ns", (1,), (2,))) == 16

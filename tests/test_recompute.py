@@ -16,9 +16,9 @@ import torch
 from conftest import MAIN_FAMILIES, random_prompt
 from test_rag import GREEDY, TOL, make_llm, plain, rag, reference, run
 
-from ragkv.engine.recompute import RecomputeSpec
-from ragkv.engine.request import PromptLayout
+from ragkv.inputs.layout import PromptLayout
 from ragkv.inputs.prompt import RAGPrompt
+from ragkv.recompute.selection import RecomputeSpec
 
 METHODS = ["blend", "sink", "query", "sink+blend", "sink+query"]
 SEQ_ISO = ("sequential", "isolated")
@@ -150,13 +150,14 @@ def test_selection_is_deterministic(llama, monkeypatch):
     path, _ = llama
     llm = make_llm(path, kv_cache_tokens=4096, chunk_cache_tokens=1024)
     chosen: list[tuple[str, tuple[int, ...]]] = []
-    select = type(llm.engine)._select
+    planner = llm.engine.scheduler.recompute
+    choose = planner.choose
 
-    def record(engine, req):
-        select(engine, req)
+    def record(req, selected):
+        choose(req, selected)
         chosen.append((req.recompute.method, req.selected))
 
-    monkeypatch.setattr(type(llm.engine), "_select", record)
+    monkeypatch.setattr(planner, "choose", record)
     S = random_prompt(8, seed=60)
     A, B = random_prompt(20, seed=61), random_prompt(13, seed=62)
     Q = random_prompt(6, seed=63)
@@ -216,9 +217,9 @@ def test_uncached_chunks_recompute_in_their_own_slots(llama):
 def test_many_query_route_at_the_ends(llama, monkeypatch):
     """Sequences with many queries attend through keys turned forward (a private copy):
     with every extend taking that route, r = 1 is still the full prefill."""
-    from ragkv.model import attention
+    from ragkv.model.backends import torch_sdpa
 
-    monkeypatch.setattr(attention, "_TURN_KEYS_FROM", 2)
+    monkeypatch.setattr(torch_sdpa, "_TURN_KEYS_FROM", 2)
     path, hf = llama
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
     scenario(llm, hf, "sink+blend")
@@ -394,12 +395,12 @@ def test_chunks_computed_in_a_step_are_recomputed_the_step_after():
     with its entries evicted) recomputes its chosen tokens only from the next step: in the
     same step its chunk works would write through the slots the recomputed tokens take over
     (regression, found in review)."""
-    from ragkv.engine.scheduler import SchedulerOutput
+    from ragkv.engine.scheduler_output import SchedulerOutput
 
     sched, cache, req = _scheduler_request(RecomputeSpec("sink", 0.5, 2, (1,)))
     sched.add(req)
     out = sched.schedule()  # S and both chunks; sink needs no probe: chosen now
-    assert req.selected == (2, 3, 6, 7) and not out.selecting
+    assert req.selected == (2, 3, 6, 7) and not out.probes
     assert all(w.query_index is None for w in out.works)
     sched.update(out)
     sched._preempt(req, SchedulerOutput())
@@ -421,7 +422,7 @@ def test_a_failed_step_fails_the_requests_waiting_for_their_choice():
     sched, cache, req = _scheduler_request(RecomputeSpec("blend", 0.5, None, (1,)))
     sched.add(req)
     out = sched.schedule()
-    assert out.selecting == [req]
+    assert [p.request for p in out.probes] == [req]
     failed = sched.fail_step(out, "boom")
     assert req in failed and req.status.finished and not sched.has_unfinished()
     sched.kv.check_integrity([])
@@ -431,7 +432,7 @@ def test_a_failed_step_fails_the_requests_waiting_for_their_choice():
 def test_check_layers_default_per_scorer(llama):
     """Unset check layers are the scorer's: `query` probes at 13/27/40% of the depth (the
     layers measured on SmolLM2's 30), `blend` at layer 1; configured ones are kept."""
-    from ragkv.engine.recompute import check_layers_for
+    from ragkv.recompute.policy import check_layers_for
 
     assert check_layers_for("query", None, 30) == (4, 8, 12)
     assert check_layers_for("sink+query", None, 32) == (4, 9, 13)
@@ -445,11 +446,11 @@ def test_check_layers_default_per_scorer(llama):
     engine = llm.engine
     n = engine.model_config.num_layers
     for method in ("query", "sink+query", "blend"):
-        spec = engine._recompute_of(engine.process_prompt(RAGPrompt(S, [A], Q, recompute=method)))
+        spec = engine.inputs.process(RAGPrompt(S, [A], Q, recompute=method)).recompute
         assert spec.check_layers == check_layers_for(method, None, n)
     llm = make_llm(path, kv_cache_tokens=512, recompute_check_layers=(0,))
     engine = llm.engine
-    spec = engine._recompute_of(engine.process_prompt(RAGPrompt(S, [A], Q, recompute="query")))
+    spec = engine.inputs.process(RAGPrompt(S, [A], Q, recompute="query")).recompute
     assert spec.check_layers == (0,)
 
 

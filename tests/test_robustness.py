@@ -135,11 +135,11 @@ def test_failed_model_step_fails_its_requests_and_leaves_the_rest_consistent(llm
     original = runner.execute
     calls = {"n": 0}
 
-    def execute(works):
+    def execute(works, probes=()):
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("injected device fault")
-        return original(works)
+        return original(works, probes)
 
     monkeypatch.setattr(runner, "execute", execute)
     engine = llm.engine
@@ -308,7 +308,7 @@ def test_per_step_host_work_does_not_grow_with_the_output(llm, monkeypatch):
         return original_decode(self, ids, *args, **kwargs)
 
     copied = []
-    table = llm.engine.slot_table
+    table = llm.engine.runner.slot_table
     original_sync = table.sync
 
     def sync(seqs):

@@ -12,9 +12,9 @@ import torch
 
 from ragkv.cache.chunk_key import ChunkKeys
 from ragkv.cache.kv_manager import SeqKV
-from ragkv.cache.slot_table import LONG_RUN, MAX_ROW_COPIES, PAD_ROW, SlotTable
 from ragkv.cache.store.format import token_hash
 from ragkv.host_ints import int64_bytes, int64_tensor
+from ragkv.model.slot_table import LONG_RUN, MAX_ROW_COPIES, PAD_ROW, SlotTable
 
 
 @pytest.mark.parametrize("values", [[], [0], [1, -1, 2**63 - 1, -2**63], list(range(5000))])

@@ -10,13 +10,16 @@ import random
 import pytest
 import torch
 
-triton_attention = pytest.importorskip("ragkv.model.triton_attention")
-if not triton_attention.available():
+triton_kernels = pytest.importorskip("ragkv.model.backends.triton_kernels")
+if not triton_kernels.available():
     pytest.skip("Triton is not installed", allow_module_level=True)
 
 from ragkv.cache.kv_pool import KVPool  # noqa: E402
-from ragkv.model.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from ragkv.model.triton_attention import TritonAttentionBackend  # noqa: E402
+from ragkv.model.backends import triton_attention  # noqa: E402
+from ragkv.model.backends.base import AttentionBatch, AttentionMetadata  # noqa: E402
+from ragkv.model.backends.torch_sdpa import TorchAttentionBackend  # noqa: E402
+from ragkv.model.backends.triton_attention import TritonAttentionBackend  # noqa: E402
+from ragkv.model.reposition import TurnTable  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cuda"] if CUDA else ["cpu"]
@@ -67,9 +70,7 @@ def _batch(rng: random.Random, pool_slots: int, table_width: int, kinds: list[st
     write = torch.cat([idx[k - q:] for idx, q, k in zip(kv_indices, q_lens, kv_lens,
                                                         strict=True)]).long()
     return dict(q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
-                write_slots=write, self_only=[q == k for q, k in zip(q_lens, kv_lens,
-                                                                     strict=True)],
-                seq_lens=kv_lens, table=table, rows=rows, prefix=prefix), total
+                write_slots=write, table=table, rows=rows, prefix=prefix), total
 
 
 CASES = [
@@ -103,7 +104,7 @@ def test_triton_backend_equals_torch_backend(case: int, device: str, dtype: torc
 
 def _force_packing(monkeypatch, pack: bool | None) -> None:
     if pack is not None:
-        monkeypatch.setattr(triton_attention, "extend_packs", lambda *a: pack)
+        monkeypatch.setattr(triton_kernels, "extend_packs", lambda *a: pack)
 
 
 def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype: torch.dtype,
@@ -120,8 +121,8 @@ def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype
         pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
         q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device, dtype)
                    for h in (heads, kv_heads, kv_heads))
-        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads, **extra)
-        backend.prepare(meta)
+        batch = AttentionBatch(**spec, num_heads=heads, num_kv_heads=kv_heads, **extra)
+        meta = AttentionMetadata(batch.write_slots, backend.prepare(batch))
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
         outs.append(pool.kv.float())
     ref, ref_pool, got, got_pool = outs
@@ -132,12 +133,13 @@ def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype
     return meta
 
 
-def _turn_tables(deltas: list[int], head_dim: int, device: str):
-    """AttentionMetadata's rotation tables: cos, sin turning a query back by each delta."""
+def _turn_table(deltas: list[int], head_dim: int, device: str) -> TurnTable:
+    """A step's turn table: cos, sin turning a key forward by each delta (default RoPE)."""
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = -torch.tensor(deltas, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.tensor(deltas, dtype=torch.float64)[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().float().to(device), emb.sin().float().to(device)
+    return TurnTable({d: i for i, d in enumerate(deltas)}, emb.cos().float().to(device),
+                     emb.sin().float().to(device))
 
 
 def _repositioned(spec: dict, rng: random.Random) -> list[tuple[tuple[int, int, int], ...]]:
@@ -176,8 +178,7 @@ def _indexed(spec: dict, rng: random.Random, device: str) -> dict:
         writes.append(slots[k - q:] if at is None else slots[index[-1]])
         written.update(int(x) for x in writes[-1])
     spec.update(q_lens=q_lens, q_starts=q_starts, query_index=index,
-                write_slots=torch.cat(writes).long(),
-                self_only=[q == k for q, k in zip(q_lens, spec["kv_lens"], strict=True)])
+                write_slots=torch.cat(writes).long())
     return spec, total
 
 
@@ -199,18 +200,18 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
     rng = random.Random(100 + case)
     spec, _ = _batch(rng, 2048, 512, kinds, device)
     spec, total = _indexed(spec, rng, device)
-    rotations = _repositioned(spec, rng)
-    cos, sin = _turn_tables([7, -3, 250, 1000], head_dim, device)
+    turns = _repositioned(spec, rng)
+    table = _turn_table([7, -3, 250, 1000], head_dim, device)
     meta = _compare_backends(spec, total, (heads, kv_heads, head_dim), dtype, device, seed=case,
-                             rotations=rotations, rotation_cos=cos, rotation_sin=sin)
+                             turns=turns, turn_table=table)
     # The kernels took them (no torch fallback is left in the Triton backend).
-    state = meta.backend_state
+    state = meta.state
     decode = [i for i, q in enumerate(spec["q_lens"]) if q == 1 and spec["prefix"][i]]
     extend = [i for i in range(len(kinds)) if i not in decode]
-    if any(rotations[i] for i in decode):
+    if any(turns[i] for i in decode):
         assert state.decode.turns is not None
-    if any(rotations[i] for i in extend):
-        assert state.extend.kv_turns is not None
+    if any(turns[i] for i in extend):
+        assert state.extend.entry_turns is not None
     if any(spec["query_index"][i] is not None for i in extend):
         assert state.extend.q_limit is not None
 
@@ -232,10 +233,10 @@ def test_extend_kv_splits_merge_exactly(device: str, splits: int, pack: bool, mo
         pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
         q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device)
                    for h in (heads, kv_heads, kv_heads))
-        meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
-        backend.prepare(meta)
+        batch = AttentionBatch(**spec, num_heads=heads, num_kv_heads=kv_heads)
+        meta = AttentionMetadata(batch.write_slots, backend.prepare(batch))
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5))
-    assert meta.backend_state.extend.splits == splits
+    assert meta.state.extend.splits == splits
     ref, got = outs
     assert torch.isfinite(got).all()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
@@ -252,16 +253,16 @@ def test_decode_splits_merge_exactly(device: str, splits: int):
     pool = KVPool(1, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
     pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape).to(pool.kv)
     q = torch.randn(total, heads, head_dim, device=device)
-    meta = AttentionMetadata(**spec, num_heads=heads, num_kv_heads=kv_heads)
+    batch = AttentionBatch(**spec, num_heads=heads, num_kv_heads=kv_heads)
     ref_backend = TorchAttentionBackend()
-    ref_backend.prepare(meta)
+    meta = AttentionMetadata(batch.write_slots, ref_backend.prepare(batch))
     ref = ref_backend.forward(q, pool.k[0][meta.write_slots], pool.v[0][meta.write_slots], 0,
                               pool, meta, head_dim ** -0.5)
     out = torch.full_like(q, float("nan"))
     dev = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    triton_attention.decode_attention(q, pool.k[0], pool.v[0], out, meta.table, dev(meta.rows),
-                                      dev(meta.kv_lens), dev(meta.q_starts), splits,
-                                      head_dim ** -0.5)
+    triton_kernels.decode_attention(q, pool.k[0], pool.v[0], out, batch.table, dev(batch.rows),
+                                    dev(batch.kv_lens), dev(batch.q_starts), splits,
+                                    head_dim ** -0.5)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
@@ -270,7 +271,7 @@ def test_decode_splits_merge_exactly(device: str, splits: int):
 def test_fused_ops_equal_the_torch_ops(device: str, dtype: torch.dtype):
     """RMSNorm (with the residual add), SiLU-mul and RoPE + KV store against the model's
     torch ops on random data (a yarn-style cos/sin scale included)."""
-    from ragkv.model import triton_ops
+    from ragkv.model.backends import triton_ops
     from ragkv.model.layers import RMSNorm, apply_rotary
 
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -324,8 +325,8 @@ def _compiled_variants() -> int | None:
     """How many compiled variants the attention kernels hold on this GPU (None where
     Triton's cache cannot be read: the interpreter, another Triton version)."""
     total = 0
-    for fn in (triton_attention._extend_kernel, triton_attention._decode_kernel,
-               triton_attention._merge_kernel):
+    for fn in (triton_kernels._extend_kernel, triton_kernels._decode_kernel,
+               triton_kernels._merge_kernel):
         caches = getattr(fn, "device_caches", None)
         if not CUDA or caches is None:
             return None

@@ -5,10 +5,16 @@ A sequence's KV state is a `SeqKV`: the slot of every token it has computed (or 
 scheduled to compute), of which the first `num_tree` belong to the radix tree and are locked
 through `handle`, and the ranges in `borrowed` belong to the chunk cache; the rest are the
 sequence's own. The scheduler deals in these and in integers; it never sees tree nodes.
+
+The model side mirrors each running sequence's slots on the device (model/slot_table.py) and
+copies only what changed since the last step. That mirror is kept right here: `slots` changes
+only through SeqKV's methods (`append`, `borrow`, `replace`, `overwrite`), and each lowers
+`num_mirrored` to the first entry it changed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_pool import SlotAllocator
@@ -22,11 +28,26 @@ class SeqKV:
     handle: RadixHandle | None = None
     borrowed: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in slots
     namespace: str = ""  # prefix-cache namespace: the request's cache salt
-    # The slot table (slot_table.py) mirrors `slots` in its row `row` (0: none yet), copying
-    # only what was appended since the last step; the row's first `num_mirrored` entries are
-    # known to equal `slots`. Whoever rewrites slots[i:] in place lowers it to at most i.
+    # The device mirror's row of this sequence (0: none yet), and how many of the row's first
+    # entries are known to equal `slots`.
     row: int = 0
     num_mirrored: int = 0
+
+    def append(self, slots: list[int]) -> None:
+        """Own slots for the next tokens."""
+        self.slots.extend(slots)
+
+    def borrow(self, slots: list[int]) -> None:
+        """The chunk cache's slots for the next tokens (a reused chunk's KV)."""
+        start = len(self.slots)
+        self.slots.extend(slots)
+        self.borrowed.append((start, start + len(slots)))
+
+    def overwrite(self, start: int, slots: list[int]) -> None:
+        """Entries start .. start + len(slots) - 1 become `slots` (the radix tree's copies of
+        the same tokens' KV)."""
+        self.slots[start:start + len(slots)] = slots
+        self.num_mirrored = min(self.num_mirrored, start)
 
     def borrowed_at(self, positions: list[int]) -> list[int]:
         """The entries of `positions` (ascending) that lie in borrowed ranges."""
@@ -39,9 +60,9 @@ class SeqKV:
                 j += 1
         return out
 
-    def take_over(self, positions: list[int], slots: list[int]) -> None:
+    def replace(self, positions: list[int], slots: list[int]) -> None:
         """Put own `slots` at borrowed `positions` (ascending): the borrowed ranges around
-        them shrink or split, and the table mirror is marked stale from the first one."""
+        them shrink or split (selective recompute's fresh K/V)."""
         if not positions:
             return
         taken = set(positions)
@@ -72,11 +93,13 @@ class SeqKV:
 
 
 class KVCacheManager:
-    def __init__(self, allocator: SlotAllocator, enable_prefix_caching: bool) -> None:
+    def __init__(self, allocator: SlotAllocator, enable_prefix_caching: bool,
+                 on_release: Callable[[SeqKV], None] | None = None) -> None:
+        """`on_release(seq)` is called for every sequence released (the device mirror
+        takes its row back)."""
         self.allocator = allocator
         self.radix = RadixCache(allocator) if enable_prefix_caching else None
-        # Set by the engine: released sequences give their row back to it.
-        self.slot_table = None
+        self.on_release = on_release
 
     @property
     def capacity(self) -> int:
@@ -94,7 +117,7 @@ class KVCacheManager:
             return 0
         match = self.radix.match_prefix(tokens, namespace=seq.namespace)
         self.radix.lock(match.handle)
-        seq.slots = list(match.slots)
+        seq.append(list(match.slots))
         seq.num_tree = match.length
         seq.handle = match.handle
         return match.length
@@ -121,8 +144,7 @@ class KVCacheManager:
         self.radix.lock(match.handle)
         if seq.handle is not None:
             self.radix.unlock(seq.handle)
-        seq.slots[:n] = match.slots
-        seq.num_mirrored = min(seq.num_mirrored, seq.num_tree)
+        seq.overwrite(seq.num_tree, match.slots[seq.num_tree:])
         seq.num_tree = n
         seq.handle = match.handle
 
@@ -138,8 +160,8 @@ class KVCacheManager:
         seq.num_tree = 0
         seq.handle = None
         seq.borrowed = []
-        if self.slot_table is not None:
-            self.slot_table.release(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.num_mirrored = 0
 
     def check_integrity(self, live: list[SeqKV] = ()) -> None:

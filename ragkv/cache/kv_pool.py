@@ -6,13 +6,100 @@ indices addresses the same token in every layer. Slots are token-granular (page 
 sequence's KV list may mix slots from any region.
 
 Slot 0 is reserved as a padding target for batched gathers and is never handed out.
+
+Where the KV pool is sized: `size_pool` (the general and chunk regions, and the longest
+sequence they admit).
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
+from ..config import DEFAULT_CPU_KV_BYTES, DEFAULT_GPU_KV_FRACTION, EngineConfig
 from ..host_ints import int64_tensor, to_device
+
+logger = logging.getLogger("ragkv")
+
+# Default pool size cap: the free list is a Python list, and a pool far larger than the
+# workload only costs start-up time.
+DEFAULT_MAX_KV_TOKENS = 262_144
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSize:
+    """Derived sizes of the KV pool: slot 0 (padding), the general region, the chunk region,
+    and the longest sequence (prompt plus output) the engine admits."""
+
+    general_tokens: int
+    chunk_tokens: int
+    max_model_len: int
+
+    @property
+    def num_slots(self) -> int:
+        return 1 + self.general_tokens + self.chunk_tokens
+
+    @property
+    def general_end(self) -> int:
+        """First slot after the general region (slots 1 .. general_end - 1)."""
+        return 1 + self.general_tokens
+
+
+def model_len_limit(config: EngineConfig, max_context_len: int,
+                    sliding_window: int | None) -> int:
+    """max_model_len from the config (checked against the model's limit) or the model."""
+    limit = max_context_len
+    if sliding_window is not None and sliding_window < limit:
+        # Full attention equals sliding-window attention only within the window.
+        logger.warning("model uses a sliding window of %d tokens: max_model_len is capped there",
+                       sliding_window)
+        limit = sliding_window
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    return config.max_model_len
+
+
+def size_pool(config: EngineConfig, bytes_per_token: int, device: torch.device,
+              max_len: int) -> PoolSize:
+    """Pool size from kv_cache_tokens, a memory budget or the device; the chunk region takes
+    chunk_cache_tokens or chunk_cache_fraction of it, the general region the rest, which must
+    hold one sequence of `max_len` tokens (lowered to fit when max_model_len was not set)."""
+    if config.kv_cache_tokens is not None:
+        tokens = config.kv_cache_tokens
+    elif config.kv_cache_memory_bytes is not None:
+        tokens = config.kv_cache_memory_bytes // bytes_per_token
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * DEFAULT_GPU_KV_FRACTION) // bytes_per_token
+    else:
+        tokens = min(DEFAULT_CPU_KV_BYTES // bytes_per_token, DEFAULT_MAX_KV_TOKENS)
+    chunk = 0
+    if config.enable_chunk_cache:
+        chunk = (config.chunk_cache_tokens if config.chunk_cache_tokens is not None
+                 else int(tokens * config.chunk_cache_fraction))
+        if chunk >= tokens:
+            raise ValueError(f"chunk_cache_tokens={chunk} leaves no room in a KV pool of "
+                             f"{tokens} tokens")
+    general = tokens - chunk
+    if general < 1:
+        raise ValueError("the KV cache budget holds no token at all")
+    if general < max_len:
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"the general KV region holds {general} tokens ({tokens} in the pool, {chunk} "
+                f"for the chunk cache), fewer than max_model_len={max_len}: raise "
+                "kv_cache_tokens or lower max_model_len or chunk_cache_tokens"
+            )
+        logger.warning("max_model_len lowered to %d: the general KV region holds no more",
+                       general)
+        max_len = general
+    return PoolSize(general_tokens=general, chunk_tokens=chunk, max_model_len=max_len)
 
 
 class KVPool:
@@ -24,11 +111,15 @@ class KVPool:
         self.num_slots = num_slots
         self.kv = torch.empty(2, num_layers, num_slots, num_kv_heads, head_dim,
                               dtype=dtype, device=device)
-        # Padded gathers read slot 0 under a mask; uninitialised memory could hold NaN, and
-        # NaN * 0 is NaN, so it must hold finite values.
-        self.kv[:, :, 0].zero_()
+        self.zero_padding_slot()
         self.k = self.kv[0]
         self.v = self.kv[1]
+
+    def zero_padding_slot(self) -> None:
+        """Padded gathers read slot 0 under a mask; uninitialised memory could hold NaN, and
+        NaN * 0 is NaN, so it must hold finite values. Dummy steps (warm-up, graph capture)
+        write it: they call this after."""
+        self.kv[:, :, 0].zero_()
 
     def read(self, slots: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The K/V of `slots` as a CPU tensor [2, layers, len(slots), kv_heads, head_dim], and
@@ -68,7 +159,7 @@ class KVPool:
         storage = self.kv.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.kv.numel() * self.kv.element_size())
-            self.kv[:, :, 0].zero_()
+            self.zero_padding_slot()
 
     @property
     def released(self) -> bool:

@@ -1,9 +1,9 @@
 """Request state. No phases: a request has tokens, and `num_computed_tokens` of them have KV.
 Each step computes some of the rest; when all are computed the next token is sampled.
 
-A RAG request's tokens are laid out flat as S + C_1 + ... + C_n + Q + generated, and its
-`PromptLayout` says where each segment lies, which RoPE positions its tokens take, and how
-far each chunk's cached keys must be rotated to sit where the request places it (DESIGN §1).
+A RAG request's tokens are laid out flat as S + C_1 + ... + C_n + Q + generated; its
+`PromptLayout` (inputs/layout.py) says where each segment lies and which positions its tokens
+take.
 """
 
 from __future__ import annotations
@@ -11,20 +11,18 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache.chunk_cache import ChunkEntry
 from ..cache.chunk_key import ChunkKey
 from ..cache.kv_manager import SeqKV
+from ..inputs.layout import PromptLayout
 from ..outputs import Logprob, RequestMetrics
+from ..recompute.selection import RecomputeSpec
 from ..sampling.detokenizer import IncrementalDetokenizer
 from ..sampling.params import SamplingParams
-
-if TYPE_CHECKING:
-    from ..structured.token_grammar import GrammarMatcher
-    from .recompute import RecomputeSpec
+from ..structured.token_grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -38,97 +36,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
-
-
-@dataclass(frozen=True, slots=True)
-class PromptLayout:
-    """Flat token offsets of a prompt's segments and the positions of its tokens. An ordinary
-    prompt has no chunks and its question segment is the whole prompt.
-
-    A chunk's KV is always computed the same way, whatever the request does with it: at its
-    *base* positions, after S (`isolated`: base s, its KV list S + itself) or alone
-    (`standalone`: base 0, its KV list itself). That is what the chunk cache stores. The
-    request places chunk i at its *target* positions: s for every chunk (`shared`) or where
-    the chunk lies in the flat prompt (`sequential`); the question and generated tokens follow
-    the longest chunk (`shared`) or the last one (`sequential`). Whoever attends to chunk i
-    later sees its keys rotated by `chunk_deltas[i]` = target - base (`rotations`)."""
-
-    system_len: int
-    chunk_bounds: tuple[tuple[int, int], ...]  # [start, end) of each chunk
-    question_start: int
-    max_chunk_len: int
-    sees_system: bool = True  # chunk_attention == "isolated"
-    chunk_deltas: tuple[int, ...] = ()
-    # (start, end, delta) of every chunk whose keys are rotated, in flat token indices (which
-    # are also KV-list indices for the question and generated tokens).
-    rotations: tuple[tuple[int, int, int], ...] = ()
-    question_offset: int = 0  # RoPE position minus flat index, for Q and generated tokens
-
-    @classmethod
-    def build(cls, system_len: int, chunk_lens: list[int], position_strategy: str = "shared",
-              chunk_attention: str = "isolated") -> PromptLayout:
-        bounds, start = [], system_len
-        for n in chunk_lens:
-            bounds.append((start, start + n))
-            start += n
-        sees_system = chunk_attention == "isolated"
-        base = system_len if sees_system else 0
-        sequential = position_strategy == "sequential"
-        deltas = tuple((a if sequential else system_len) - base for a, _ in bounds)
-        longest = max(chunk_lens, default=0)
-        return cls(
-            system_len=system_len, chunk_bounds=tuple(bounds), question_start=start,
-            max_chunk_len=longest, sees_system=sees_system, chunk_deltas=deltas,
-            rotations=tuple((a, b, d) for (a, b), d in zip(bounds, deltas, strict=True) if d),
-            question_offset=0 if sequential or not bounds else system_len + longest - start,
-        )
-
-    @property
-    def is_rag(self) -> bool:
-        return bool(self.chunk_bounds)
-
-    def chunk_at(self, x: int) -> int | None:
-        """Index of the chunk holding flat token x, if any."""
-        if not self.system_len <= x < self.question_start:
-            return None
-        for i, (start, end) in enumerate(self.chunk_bounds):
-            if start <= x < end:
-                return i
-        return None
-
-    def chunk_kv_spans(self, chunk: int, end: int) -> tuple[tuple[int, int], ...]:
-        """The KV list (ranges of flat tokens) of chunk tokens computed up to flat `end`."""
-        start = self.chunk_bounds[chunk][0]
-        if self.sees_system and self.system_len:
-            return ((0, self.system_len), (start, end))
-        return ((start, end),)
-
-    def chunk_positions(self, xs: list[int]) -> tuple[list[int], list[int]]:
-        """Base positions (where the cache computed their keys) and target positions (where
-        the request places them) of the chunk tokens `xs`, ascending flat indices."""
-        base_of = self.system_len if self.sees_system else 0
-        base, target = [], []
-        i = 0
-        for x in xs:
-            while self.chunk_bounds[i][1] <= x:
-                i += 1
-            b = base_of + x - self.chunk_bounds[i][0]
-            base.append(b)
-            target.append(b + self.chunk_deltas[i])
-        return base, target
-
-    def positions(self, start: int, end: int) -> list[int]:
-        """RoPE positions of flat tokens [start, end), which lie in one segment; chunk tokens
-        at their base positions (where their KV is computed)."""
-        s = self.system_len
-        if end <= s:
-            return list(range(start, end))
-        if start >= self.question_start:
-            offset = self.question_offset
-            return list(range(start + offset, end + offset))
-        chunk_start = self.chunk_bounds[self.chunk_at(start)][0]
-        base = s if self.sees_system else 0
-        return list(range(base + start - chunk_start, base + end - chunk_start))
 
 
 @dataclass(slots=True)
@@ -173,7 +80,7 @@ class Request:
     # (flat index -> [vocab] float32 on the CPU): teacher-forced scoring for `ragkv eval`.
     num_scored_tokens: int = 0
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Selective recompute (engine/recompute.py): the request's `RecomputeSpec` (None: off),
+    # Selective recompute (recompute/): the request's `RecomputeSpec` (None: off),
     # the chunk tokens it recomputes (flat indices, ascending; None until chosen, kept over
     # preemption: the choice depends only on the prompt) and how many of them have fresh KV.
     recompute: RecomputeSpec | None = None

@@ -8,7 +8,7 @@ per segment, each an extend in the attention contract's terms:
 - chunk C_i: KV list = [S, C_i so far] (`standalone`: [C_i so far]), at the chunk's base
   positions; skipped altogether when the chunk cache has it;
 - question and decode: KV list = [S, C_1..C_n, Q so far], with the keys of chunks placed
-  elsewhere than their base positions rotated by the attention backend (`kv_rotations`).
+  elsewhere than their base positions turned by the attention backend (`turns`).
 A backend writes every new token's K/V of a step before it attends, so one step may hold a
 whole cold RAG prompt, and a request may use a chunk that another request computes in the
 same step. Long segments are split over steps (chunked prefill).
@@ -38,86 +38,14 @@ import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
-from ..cache.chunk_cache import ChunkCache, ChunkEntry
+from ..cache.chunk_cache import ChunkCache
 from ..cache.kv_manager import KVCacheManager
+from ..recompute.planner import RecomputePlanner
 from .request import ChunkBinding, Request, RequestStatus
+from .scheduler_output import SchedulerOutput, SeqWork
 
 logger = logging.getLogger("ragkv")
-
-
-@dataclass(slots=True)
-class SeqWork:
-    """One sequence's share of a step, in the attention contract's terms: flat tokens
-    [start, end) of `request` are computed now; the KV list is the concatenation of the
-    `kv_spans` ranges of `request.kv.slots`, the last ending at `end`."""
-
-    request: Request
-    start: int
-    end: int
-    kv_spans: tuple[tuple[int, int], ...]
-    token_ids: list[int]
-    positions: list[int]
-    sample: bool  # the step ends this request's pending tokens: sample the next one
-    # Flat index of the first token whose logits the step returns (`end` for none): the
-    # sampled token's, preceded by any scored prompt tokens (`Request.num_scored_tokens`).
-    logits_from: int = 0
-    # (start, end, delta) ranges of the KV list whose keys attention sees rotated by `delta`
-    # positions (cached chunks re-positioned; PromptLayout.rotations).
-    kv_rotations: tuple[tuple[int, int, int], ...] = ()
-    # Recomputed chunk tokens (engine/recompute.py): the KV-list entries the tokens are, which
-    # are not the last ones, and their keys' RoPE positions (the chunk's base positions, where
-    # the cached keys around them sit; `positions` are their places in the prompt).
-    query_index: tuple[int, ...] | None = None
-    key_positions: list[int] | None = None
-
-    @property
-    def num_kv(self) -> int:
-        return sum(b - a for a, b in self.kv_spans)
-
-    def write_positions(self) -> range | tuple[int, ...]:
-        """Entries of `request.kv.slots` the work's new K/V go to."""
-        if self.query_index is not None:
-            return self.query_index
-        return range(self.end - len(self.token_ids), self.end)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    works: list[SeqWork] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # Chunk-cache entries whose last tokens are computed by this step.
-    completing: list[ChunkEntry] = field(default_factory=list)
-    # Flat token count each scheduled request will have computed after this step.
-    progress: dict[int, tuple[Request, int]] = field(default_factory=dict)
-    # Requests that failed while being planned (already finished with FINISHED_ERROR).
-    failed: list[Request] = field(default_factory=list)
-    # Requests whose recomputed tokens are chosen after this step's forward (their chunks'
-    # KV is ready by then), and the count of selected tokens each will have computed.
-    selecting: list[Request] = field(default_factory=list)
-    recomputed: dict[int, tuple[Request, int]] = field(default_factory=dict)
-
-    @property
-    def empty(self) -> bool:
-        return not self.works and not self.selecting
-
-    def requests(self) -> list[Request]:
-        """The requests with work in this step, each once."""
-        return list({id(w.request): w.request for w in self.works}.values())
-
-    def discard(self, req: Request) -> None:
-        """Forget everything `req` was given this step."""
-        if any(w.request is req for w in self.works):
-            self.works = [w for w in self.works if w.request is not req]
-        owned = {id(b.entry) for b in req.bindings
-                 if b is not None and b.entry is not None and b.computing}
-        if owned:
-            self.completing = [e for e in self.completing if id(e) not in owned]
-        self.progress.pop(id(req), None)
-        self.recomputed.pop(id(req), None)
-        if req in self.selecting:
-            self.selecting.remove(req)
 
 
 class _Stop(enum.Enum):
@@ -145,7 +73,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.debug_checks = debug_checks
-        self.num_layers = num_layers  # prices a recompute probe in tokens of budget
+        self.recompute = RecomputePlanner(chunk_cache, num_layers)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -232,31 +160,22 @@ class Scheduler:
         try:
             while x < req.num_tokens and used < budget:
                 if x == layout.question_start and req.recompute is not None:
-                    planned = out.recomputed.get(id(req), (req, req.num_recomputed))[1]
-                    if req.selected is None and not req.recompute.needs_probe(layout):
-                        self.choose(req, req.recompute.select(layout, None))
-                    if req.selected is None:
-                        # R is chosen after this step's forward, which completes the
-                        # chunks; the question waits for R's fresh KV.
-                        out.selecting.append(req)
-                        used += min(self._probe_cost(req), budget - used)
+                    n, stop_here = self.recompute.plan(
+                        req, out, budget - used, computes_chunks,
+                        lambda k: self._alloc(req, k, out, may_preempt))
+                    used += n
+                    if stop_here:
                         break
-                    if planned < len(req.selected):
-                        if computes_chunks:
-                            # Recomputed tokens take over chunk slots in the request's list,
-                            # which this step's chunk works still write through: next step.
-                            break
-                        used += self._plan_recompute(req, planned, budget - used, out,
-                                                     may_preempt)
-                        continue
+                    if n:
+                        continue  # the budget left decides whether the question follows
                 chunk = layout.chunk_at(x)
                 if chunk is None:
                     # System prompt or question/generated: own slots, allocated as computed.
                     end = s if x < s else req.num_tokens
                     n = min(end - x, budget - used)
-                    req.kv.slots.extend(self._alloc(req, n, out, may_preempt))
+                    req.kv.append(self._alloc(req, n, out, may_preempt))
                     spans = ((0, x + n),)
-                    rotations = layout.rotations if x >= layout.question_start else ()
+                    turns = layout.turns if x >= layout.question_start else ()
                 else:
                     end = layout.chunk_bounds[chunk][1]
                     binding = req.bindings[chunk]
@@ -267,11 +186,11 @@ class Scheduler:
                         continue
                     n = min(end - x, budget - used)
                     spans = layout.chunk_kv_spans(chunk, x + n)
-                    rotations = ()
+                    turns = ()
                     computes_chunks = True
                     if x + n == end and binding.entry is not None:
                         out.completing.append(binding.entry)
-                out.works.append(_work(req, x, x + n, spans, rotations))
+                out.works.append(_work(req, x, x + n, spans, turns))
                 x += n
                 used += n
         except _Blocked as blocked:
@@ -279,43 +198,6 @@ class Scheduler:
         if x > req.num_computed_tokens:
             out.progress[id(req)] = (req, x)
         return used, stop
-
-    def choose(self, req: Request, selected: tuple[int, ...]) -> None:
-        """Record the chunk tokens `req` recomputes (once: kept over preemption)."""
-        if req.selected is not None:
-            return
-        req.selected = selected
-        req.metrics.num_recomputed_tokens = len(selected)
-        if self.chunk_cache is not None:
-            self.chunk_cache.count_recomputed(len(selected))
-
-    def _probe_cost(self, req: Request) -> int:
-        """Budget for choosing R: the probed tokens times the fraction of layers probed."""
-        spec, layout = req.recompute, req.layout
-        probed = (layout.question_start - layout.system_len if spec.scorer == "blend"
-                  else req.num_prompt_tokens - layout.question_start)
-        return max(1, -(-probed * spec.probe_layers // self.num_layers))
-
-    def _plan_recompute(self, req: Request, planned: int, room: int, out: SchedulerOutput,
-                        may_preempt: bool) -> int:
-        """A work for the next selected chunk tokens (up to `room`): own slots replace the
-        borrowed cached ones in the request's KV list (the chunk entry is not touched);
-        tokens of an uncached chunk are rewritten in the slots they already own."""
-        tokens = list(req.selected[planned:planned + room])
-        borrowed = req.kv.borrowed_at(tokens)
-        req.kv.take_over(borrowed, self._alloc(req, len(borrowed), out, may_preempt))
-        layout = req.layout
-        base, target = layout.chunk_positions(tokens)
-        end = tokens[-1] + 1
-        out.works.append(SeqWork(
-            request=req, start=tokens[0], end=end, kv_spans=((0, end),),
-            token_ids=[req.token_ids[x] for x in tokens], positions=target, sample=False,
-            logits_from=end,
-            kv_rotations=tuple((a, min(b, end), d) for a, b, d in layout.rotations if a < end),
-            query_index=tuple(tokens), key_positions=base,
-        ))
-        out.recomputed[id(req)] = (req, planned + len(tokens))
-        return len(tokens)
 
     def _bind_chunk(self, req: Request, i: int, out: SchedulerOutput,
                     may_preempt: bool) -> ChunkBinding:
@@ -344,15 +226,13 @@ class Scheduler:
                 entry = cache.reserve(chunk)
                 binding = ChunkBinding(entry, computing=True) if entry else None
             if binding is not None:
-                start = len(req.kv.slots)
-                req.kv.slots.extend(binding.entry.slots)
-                req.kv.borrowed.append((start, start + len(chunk)))
+                req.kv.borrow(binding.entry.slots)
                 req.bindings[i] = binding
                 return binding
         # No chunk cache, or the chunk cannot fit its region: compute it in the general
         # region, uncached.
         start, end = req.layout.chunk_bounds[i]
-        req.kv.slots.extend(self._alloc(req, end - start, out, may_preempt))
+        req.kv.append(self._alloc(req, end - start, out, may_preempt))
         req.bindings[i] = ChunkBinding(None, computing=True)
         return req.bindings[i]
 
@@ -377,17 +257,20 @@ class Scheduler:
                 return other
         return None
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Advance computed counts after the model ran; cache fresh KV."""
+    def update(self, out: SchedulerOutput, probe_scores: list = ()) -> None:
+        """Commit the step after the model ran: advance computed counts, cache fresh KV,
+        choose recomputed tokens from the probes' scores (one per `out.probes`). A request
+        whose choice fails is finished with FINISHED_ERROR and added to `out.failed`."""
         for entry in out.completing:
             self.chunk_cache.complete(entry)
-        for req, n in out.recomputed.values():
-            req.num_recomputed = n
         for req, x in out.progress.values():
             prefilled = x - req.num_computed_tokens > 1 or x <= req.layout.question_start
             req.num_computed_tokens = x
             if self.enable_prefix_caching and prefilled:
                 self.kv.cache(req.kv, req.cacheable_tokens())
+        for req in self.recompute.update(out, list(probe_scores)):
+            self.finish(req, RequestStatus.FINISHED_ERROR)
+            out.failed.append(req)
 
     def fail_step(self, out: SchedulerOutput, message: str) -> list[Request]:
         """The model could not run this step: finish every request with work in it, or
@@ -395,7 +278,8 @@ class Scheduler:
         step was completing), with FINISHED_ERROR. Their slots come back; chunk entries they
         were computing are dropped; nothing else changes. Returns the failed requests."""
         failed = out.requests()
-        failed += [r for r in out.selecting if r not in failed and not r.status.finished]
+        failed += [p.request for p in out.probes
+                   if p.request not in failed and not p.request.status.finished]
         for req in failed:
             req.error = message
             self.finish(req, RequestStatus.FINISHED_ERROR)
@@ -452,22 +336,15 @@ class Scheduler:
                 raise AssertionError(f"scheduler: malformed work {w.start}..{w.end} "
                                      f"{w.kv_spans} for request {req.request_id}")
             chunk = req.layout.chunk_at(w.start)
-            if w.query_index is not None:
-                if req.kv.borrowed_at(list(w.query_index)):
-                    raise AssertionError("scheduler: a recompute work writes into chunk-cache "
-                                         "slots")
-            elif chunk is not None and not (req.bindings[chunk]
-                                            and req.bindings[chunk].computing):
+            if w.query_index is None and chunk is not None and not (
+                    req.bindings[chunk] and req.bindings[chunk].computing):
                 raise AssertionError("scheduler: a work writes into a chunk it only reuses")
             for slot in (req.kv.slots[p] for p in w.write_positions()):
                 if slot == 0 or slot in written:
                     raise AssertionError(f"scheduler: slot {slot} written twice in one step "
                                          "(or the padding slot)")
                 written.add(slot)
-        for req, n in out.recomputed.values():
-            if id(req) not in running or not req.num_recomputed < n <= len(req.selected):
-                raise AssertionError(f"scheduler: recompute progress for request "
-                                     f"{req.request_id} that does not advance")
+        self.recompute.check(out, running)
         for req, x in out.progress.values():
             if id(req) not in running or not req.num_computed_tokens < x <= req.num_tokens:
                 raise AssertionError(f"scheduler: progress for request {req.request_id} that "
@@ -489,7 +366,7 @@ class Scheduler:
 
 
 def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...],
-          rotations: tuple[tuple[int, int, int], ...]) -> SeqWork:
+          turns: tuple[tuple[int, int, int], ...]) -> SeqWork:
     sample = end == req.num_tokens
     logits_from = end - 1 if sample else end
     if req.num_scored_tokens:
@@ -500,5 +377,5 @@ def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]
         request=req, start=start, end=end, kv_spans=spans,
         token_ids=req.token_ids[start:end],
         positions=req.layout.positions(start, end),
-        sample=sample, logits_from=logits_from, kv_rotations=rotations,
+        sample=sample, logits_from=logits_from, turns=turns,
     )

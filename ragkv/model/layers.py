@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import triton_ops
+from .backends import triton_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = empty_param(dim, dtype=dtype, device=device)
         self.eps = eps
-        self.fused = False  # one Triton kernel (CUDA); set by CausalLM.use_fused_kernels
+        self.fused = False  # one fused kernel (CausalLM.use_fused_ops)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +79,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
         self.act = _ACTIVATIONS[act]
         self.silu = act == "silu"
-        self.fused = False  # silu(gate) * up in one Triton kernel (CUDA)
+        self.fused = False  # silu(gate) * up in one fused kernel (CausalLM.use_fused_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)

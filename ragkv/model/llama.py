@@ -7,14 +7,14 @@ dimension, tied embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..cache.kv_pool import KVPool
-from . import triton_ops
-from .attention import AttentionBackend, AttentionMetadata
+from .backends import triton_ops
+from .backends.base import AttentionBackend, AttentionMetadata
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 from .model_config import ModelConfig
 
@@ -36,7 +36,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(mc.head_dim, mc.rms_norm_eps, dtype, device)
         else:
             self.q_norm = self.k_norm = None
-        # RoPE on q and k plus the K/V store in one Triton kernel (CUDA, no q/k norm).
+        # RoPE on q and k plus the K/V store in one kernel (the backend's "rope_store").
         self.fused = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
@@ -45,11 +45,10 @@ class Attention(nn.Module):
         """`key_rope`: cos, sin for the keys where they differ from the queries'."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
         if self.fused:
-            k_cache, v_cache = pool.k[layer], pool.v[layer]
             q = triton_ops.rope_store(self.qkv_proj.forward(x), cos, sin, heads, kv_heads,
-                                      self.head_dim, k_cache, v_cache, meta.write_slots,
-                                      key_rope)
-            out = backend.attend(q, k_cache, v_cache, meta, self.scale)
+                                      self.head_dim, pool.k[layer], pool.v[layer],
+                                      meta.write_slots, key_rope)
+            out = backend.attend(q, layer, pool, meta, self.scale)
             return self.o_proj.forward(out.reshape(-1, self.q_size))
         if key_rope is not None:
             q, k, v = self.qkv(x, cos, sin, key_rope)
@@ -118,33 +117,55 @@ class CausalLM(nn.Module):
         (selectively recomputed chunk tokens); never with dynamic RoPE."""
         cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
         key_rope = None if key_positions is None else self.rotary.cos_sin(key_positions)
-        residual = self.embed_tokens[input_ids]
-        # Sub-modules are called through .forward: no hooks are used, and skipping
-        # nn.Module.__call__ matters when a decode step is a few hundred tiny ops.
-        # The residual stream's adds happen inside the next norm (forward_add): the same
-        # arithmetic as h = h + f(h), one kernel fewer per add where the norm is fused.
-        h = None
-        for i, layer in enumerate(self.layers):
-            if h is None:
-                attn_in = layer.input_layernorm.forward(residual)
-            else:
-                attn_in, residual = layer.input_layernorm.forward_add(h, residual)
-            h = layer.self_attn.forward(attn_in, cos, sin, i, pool, meta, backend, key_rope)
-            mlp_in, residual = layer.post_attention_layernorm.forward_add(h, residual)
-            h = layer.mlp.forward(mlp_in)
+
+        def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
+            return attn.forward(x, cos, sin, i, pool, meta, backend, key_rope)
+
+        h, residual = self.run_layers(self.embed_tokens[input_ids], attend)
         h = self.norm.forward(residual[logits_indices] + h[logits_indices])
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return torch.nn.functional.linear(h, head).float()
 
-    def use_fused_kernels(self) -> None:
-        """Switch the norms, the MLP activation and RoPE + KV store to the fused Triton
-        kernels of triton_ops.py (CUDA with the Triton attention backend)."""
-        for module in self.modules():
-            if hasattr(module, "fused"):
-                module.fused = True
+    def run_layers(self, residual: torch.Tensor,
+                   attend: Callable[[int, Attention, torch.Tensor], torch.Tensor | None]
+                   ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The decoder layers over the residual stream `residual` (the embedded tokens), as
+        every caller runs them (the forward, the recompute probe): `attend(i, attention, x)`
+        is layer i's attention output (after o_proj) for its normalized input x; None stops
+        the loop there. Returns the last MLP output and the residual stream, whose sum is the
+        hidden state (None and the stream so far when stopped).
+
+        Sub-modules are called through .forward: no hooks are used, and skipping
+        nn.Module.__call__ matters when a decode step is a few hundred tiny ops. The residual
+        stream's adds happen inside the next norm (forward_add): the same arithmetic as
+        h = h + f(h), one kernel fewer per add where the norm is fused."""
+        h = None
+        for i, layer in enumerate(self.layers):
+            if h is None:
+                x = layer.input_layernorm.forward(residual)
+            else:
+                x, residual = layer.input_layernorm.forward_add(h, residual)
+            h = attend(i, layer.self_attn, x)
+            if h is None:
+                return None, residual
+            x, residual = layer.post_attention_layernorm.forward_add(h, residual)
+            h = layer.mlp.forward(x)
+        return h, residual
+
+    def use_fused_ops(self, ops: frozenset[str]) -> None:
+        """Run the fused kernels `ops` (backends/base.py FUSED_OPS) that the attention
+        backend offers: the norms' residual add, the MLP activation, RoPE + KV store."""
+        norms = "rms_norm" in ops
+        self.norm.fused = norms
         for layer in self.layers:
-            if layer.self_attn.q_norm is not None:  # Qwen3: q/k norms before RoPE
-                layer.self_attn.fused = False
+            layer.input_layernorm.fused = norms
+            layer.post_attention_layernorm.fused = norms
+            layer.mlp.fused = "silu_mul" in ops
+            # Qwen3's q/k norms come before RoPE, which the fused kernel does not apply.
+            attn = layer.self_attn
+            attn.fused = "rope_store" in ops and attn.q_norm is None
+            if attn.q_norm is not None:
+                attn.q_norm.fused = attn.k_norm.fused = norms
 
     def weight_targets(self) -> Iterator[tuple[str, torch.Tensor, int, int]]:
         """(HF checkpoint name, destination parameter, row offset, rows) for every weight."""

@@ -1,60 +1,123 @@
-"""Turns a step's sequence works into tensors, runs the model, returns the logits to sample."""
+"""The model runner: everything that runs the model on its device. It builds the attention
+backend, switches on the fused ops the backend offers, captures the CUDA graphs, warms the
+kernels up and keeps the device mirror of the running sequences' slot lists; each step it turns
+the scheduler's works into tensors, runs the model and returns the logits to sample. It never
+imports the engine side: a work is anything with the fields of `Work`.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from ..cache.kv_manager import SeqKV
 from ..cache.kv_pool import KVPool
-from ..cache.slot_table import PAD_ROW, SlotTable
+from ..config import EngineConfig
 from ..host_ints import int64_tensor
 from ..sampling.noise import uniform_noise
-from .attention import AttentionBackend, AttentionMetadata
+from .backends.base import AttentionBatch, AttentionMetadata
+from .backends.registry import get_attention_backend
 from .llama import CausalLM
+from .reposition import Turn, TurnTable
+from .slot_table import PAD_ROW, SlotTable
+
+logger = logging.getLogger("ragkv")
+
+# Largest decode batch captured in a CUDA graph (vLLM captures up to 512); larger ones run eagerly.
+MAX_GRAPH_BATCH = 256
 
 
 class Work(Protocol):
     """A sequence's share of a step (the scheduler's `SeqWork`): the KV list is the
-    concatenation of the `kv_spans` ranges of `request.kv.slots`; its last
-    len(token_ids) entries are the slots the new tokens are written to."""
+    concatenation of the `kv_spans` ranges of `kv.slots`; its last len(token_ids) entries are
+    the slots the new tokens are written to."""
 
+    kv: SeqKV
     token_ids: list[int]
     positions: list[int]
     kv_spans: tuple[tuple[int, int], ...]
     sample: bool
     end: int  # flat index after the work's last token
     logits_from: int  # flat index of the first token whose logits are returned (end: none)
-    kv_rotations: tuple[tuple[int, int, int], ...]  # (start, end, delta) of the KV list
+    turns: tuple[Turn, ...]  # (start, end, delta) of the KV list (model/reposition.py)
     # Entries of the KV list the new tokens are (ascending; None: its last len(token_ids)),
     # and the RoPE positions of their keys where these differ from `positions` (recomputed
     # chunk tokens keep their keys at the chunk's base positions, like the cached ones).
     query_index: tuple[int, ...] | None
     key_positions: list[int] | None
 
-    @property
-    def request(self): ...
+
+class Probe(Protocol):
+    """A read-only pass of some layers of the model over the step's KV after its forward
+    (the selective-recompute probe, recompute/probe.py)."""
+
+    def run(self, model: CausalLM, pool: KVPool) -> torch.Tensor: ...
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    """What one step computed: float32 logits for the tokens [logits_from, end) of each work
+    in order ([number of works with sample=True, vocab] when nothing is scored; None without
+    works), and per probe its scores or the exception that stopped it (that probe's request
+    fails, not the step)."""
+
+    logits: torch.Tensor | None = None
+    probe_scores: list[torch.Tensor | Exception] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, pool: KVPool, backend: AttentionBackend,
-                 slot_table: SlotTable, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, config: EngineConfig,
+                 max_model_len: int) -> None:
         self.model = model
         self.pool = pool
-        self.backend = backend
-        self.slot_table = slot_table
-        self.device = device
-        self.graphs = None  # DecodeGraphs (cuda_graph.py) once captured
-        self.extend_graphs = None  # ExtendGraphs (cuda_graph.py) once captured
+        self.device = device = pool.kv.device
         self.num_heads = model.config.num_heads
         self.num_kv_heads = pool.k.shape[2]
+        # One row per running sequence (max_num_seqs) plus the padding row.
+        self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
+        self.backend = get_attention_backend(config.attention_backend, device)
+        model.use_fused_ops(self.backend.fused_ops)
+        self.graphs = None  # DecodeGraphs once captured
+        self.extend_graphs = None  # ExtendGraphs once captured
+        if device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
+            from .backends.cuda_graph import DecodeGraphs, ExtendGraphs
+
+            self.graphs = DecodeGraphs(model, pool, self.backend, self.slot_table,
+                                       min(config.max_num_seqs, MAX_GRAPH_BATCH), max_model_len)
+            self.extend_graphs = ExtendGraphs(model, pool, self.backend, self.slot_table,
+                                              config.max_num_batched_tokens, max_model_len)
+            self.capture_graphs()
+        self.warmup(min(config.max_num_batched_tokens, max_model_len))
+
+    def release(self, seq: SeqKV) -> None:
+        """A sequence gave its slots back: its row of the slot table is free."""
+        self.slot_table.release(seq)
+
+    def capture_graphs(self) -> None:
+        """(Re-)capture the CUDA graphs: after the pool's memory came back (`wake_up`), the
+        old ones address freed memory."""
+        for graphs in (self.graphs, self.extend_graphs):
+            if graphs is not None:
+                graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, works: Sequence[Work]) -> torch.Tensor:
-        """Run one step; returns float32 logits for the tokens [logits_from, end) of each
-        work in order ([number of works with sample=True, vocab] when nothing is scored)."""
-        kvs = {id(w.request.kv): w.request.kv for w in works}
+    def execute(self, works: Sequence[Work], probes: Sequence[Probe] = ()) -> ModelOutput:
+        """Run one step: the works' forward, then the probes, which read the KV it wrote."""
+        out = ModelOutput(self._forward(works) if works else None)
+        for probe in probes:
+            try:
+                out.probe_scores.append(probe.run(self.model, self.pool))
+            except Exception as e:  # noqa: BLE001 (its request fails, not the step)
+                logger.exception("recompute probe failed")
+                out.probe_scores.append(e)
+        return out
+
+    def _forward(self, works: Sequence[Work]) -> torch.Tensor:
+        kvs = {id(w.kv): w.kv for w in works}
         self.slot_table.sync(kvs.values())
         if self.graphs is not None and self.graphs.can_run(works):
             return self.graphs.run(works)
@@ -63,17 +126,15 @@ class ModelRunner:
         table = self.slot_table.table
         input_ids: list[int] = []
         positions: list[int] = []
-        q_lens, kv_lens, q_starts, self_only, seq_lens = [], [], [], [], []
+        q_lens, kv_lens, q_starts, seq_lens = [], [], [], []
         rows, prefix = [], []
         kv_indices: list[torch.Tensor] = []
         logits_rows: list[int] = []
-        rotations: list[tuple[tuple[int, int, int], ...]] = []
-        deltas: dict[int, int] = {}  # delta -> its row in the step's rotation tables
         query_index: list[torch.Tensor | None] = []
         key_positions: list[int] | None = None
         write_parts: list[torch.Tensor] = []
         for w in works:
-            row = w.request.kv.row
+            row = w.kv.row
             spans = w.kv_spans
             index = self.slot_table.entries(row, spans)
             q, k = len(w.token_ids), index.numel()
@@ -97,34 +158,27 @@ class ModelRunner:
             kv_indices.append(index)
             q_lens.append(q)
             kv_lens.append(k)
-            self_only.append(q == k)
             seq_lens.append(max(w.positions) + 1)
             rows.append(row)
             prefix.append(len(spans) == 1 and spans[0][0] == 0)
             logits_rows.extend(range(len(input_ids) - (w.end - w.logits_from), len(input_ids)))
-            rotations.append(tuple((a, b, deltas.setdefault(d, len(deltas)))
-                                   for a, b, d in w.kv_rotations))
-        dev = self.device
-        write_slots = torch.cat(write_parts).long()
-        meta = AttentionMetadata(
+        batch = AttentionBatch(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
-            write_slots=write_slots, self_only=self_only, seq_lens=seq_lens, table=table,
-            rows=rows, prefix=prefix, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-        )
+            write_slots=torch.cat(write_parts).long(), num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, table=table, rows=rows, prefix=prefix)
         if any(x is not None for x in query_index):
-            meta.query_index = query_index
-        if deltas:
-            # Attention turns each query back by a rotated range's delta instead of turning
-            # that range's keys forward: the same scores, for a handful of query rows.
-            meta.rotations = rotations
-            meta.rotation_cos, meta.rotation_sin = self.model.rotary.rotation(
-                [-d for d in deltas])
-        self.backend.prepare(meta)
+            batch.query_index = query_index
+        if any(w.turns for w in works):
+            batch.turn_table = TurnTable.build(self.model.rotary,
+                                               (d for w in works for _, _, d in w.turns))
+            batch.turns = [batch.turn_table.by_row(w.turns) for w in works]
+        meta = AttentionMetadata(write_slots=batch.write_slots,
+                                 state=self.backend.prepare(batch), seq_lens=seq_lens,
+                                 q_lens=q_lens)
         # One transfer for ids, positions and logits rows.
         n = len(input_ids)
         extra = key_positions or []
-        dev_ids = int64_tensor(input_ids + positions + extra + logits_rows).to(dev)
+        dev_ids = int64_tensor(input_ids + positions + extra + logits_rows).to(self.device)
         keys = dev_ids[2 * n:3 * n] if extra else None
         return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
                           self.pool, meta, self.backend, key_positions=keys)
@@ -140,23 +194,22 @@ class ModelRunner:
             return
         for q_len, kv_len in ((num_tokens, num_tokens), (1, 2)):
             index = torch.zeros(kv_len, dtype=torch.int32, device=self.device)
-            meta = AttentionMetadata(
+            batch = AttentionBatch(
                 q_lens=[q_len], kv_lens=[kv_len], q_starts=[0], kv_indices=[index],
-                write_slots=index[kv_len - q_len:].long(), self_only=[q_len == kv_len],
-                seq_lens=[kv_len], table=self.slot_table.table, rows=[0],
-                prefix=[q_len < kv_len], num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads,
-            )
-            self.backend.prepare(meta)
+                write_slots=index[kv_len - q_len:].long(), num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, table=self.slot_table.table, rows=[PAD_ROW],
+                prefix=[q_len < kv_len])
+            meta = AttentionMetadata(write_slots=batch.write_slots,
+                                     state=self.backend.prepare(batch), seq_lens=[kv_len],
+                                     q_lens=[q_len])
             ids = torch.zeros(q_len, dtype=torch.long, device=self.device)
             positions = torch.arange(kv_len - q_len, kv_len, device=self.device)
             last = torch.tensor([q_len - 1], device=self.device)
             self.model(ids, positions, last, self.pool, meta, self.backend)
-        warmup = getattr(self.backend, "warmup", None)
-        if warmup is not None:  # every kernel variant, not only the two steps' ones
-            warmup(self.pool, self.num_heads, self.slot_table.table, PAD_ROW)
+        # Every kernel variant, not only the two steps' ones.
+        self.backend.warmup(self.pool, self.num_heads, self.slot_table.table, PAD_ROW)
         # The sampler's noise kernel.
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         uniform_noise(zero, zero, self.model.config.vocab_size)
-        self.pool.kv[:, :, 0].zero_()
+        self.pool.zero_padding_slot()
         torch.cuda.synchronize(self.device)

@@ -1,7 +1,8 @@
-"""Triton attention kernels over token-slot KV lists (the GPU backend of attention.py).
+"""Triton attention kernels over token-slot KV lists, and their launchers (the backend that
+plans them is triton_attention.py).
 
-Two kernels implement the contract of `attention.py` (per-sequence slot list, bottom-right
-causal, positions separate, GQA):
+Two kernels implement the contract of base.py (per-sequence slot list, bottom-right causal,
+positions separate, GQA):
 - `extend`: a flash-attention pass per (sequence, block of queries, head) that gathers K/V
   rows by slot from a ragged index list. It serves prefill, chunk jobs (S + the chunk's own
   slots), the question over cached chunks and chunked prefill alike;
@@ -14,9 +15,10 @@ causal, positions separate, GQA):
 
 Both take the two RAG additions to the contract in their loads, so no sequence leaves the
 kernels:
-- re-positioned key ranges (a cached chunk placed elsewhere than where its keys were rotated):
-  each entry's key is turned by its range's delta as it is loaded (`_turn_keys`), from a small
-  table of cos/sin rows, one per distinct delta of the step. The pool is never written;
+- turns (model/reposition.py: a cached chunk placed elsewhere than its keys were rotated
+  for): each entry's key is turned forward by its turn's delta as it is loaded
+  (`_turn_keys`), from a small table of cos/sin rows, one per distinct delta of the step. The
+  pool is never written;
 - query entries (`query_index`: selectively recomputed chunk tokens scattered among cached
   ones): the extend kernel takes each query's last visible entry from a per-token array
   instead of the bottom-right diagonal.
@@ -27,15 +29,10 @@ kernels run on CPU tensors through Triton's interpreter, which is how CPU-only C
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 from dataclasses import dataclass
 
 import torch
-
-from ..cache.kv_pool import KVPool
-from .attention import AttentionMetadata
 
 try:
     import triton
@@ -93,9 +90,9 @@ if triton is not None:
 
     @triton.jit
     def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, lim,
-                      offs_d, d_valid, stride_kt, qk_scale, kv_turns, turn_cos, turn_sin,
+                      offs_d, d_valid, stride_kt, qk_scale, entry_turns, turn_cos, turn_sin,
                       BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                      PRECISION: tl.constexpr, ROTATE: tl.constexpr, HEAD_DIM: tl.constexpr):
+                      PRECISION: tl.constexpr, TURN: tl.constexpr, HEAD_DIM: tl.constexpr):
         """One block of KV entries folded into the running softmax (base-2 exponentials).
         Row i sees the entries up to lim[i] of the list."""
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -103,10 +100,10 @@ if triton is not None:
         slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
         k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
                     mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-        if ROTATE:
+        if TURN:
             # A load beside kv_index's, not a search of the ranges: the block's loads stay
             # pipelined.
-            turn = tl.load(kv_turns + kv_begin + offs_n, mask=n_valid, other=-1)
+            turn = tl.load(entry_turns + kv_begin + offs_n, mask=n_valid, other=-1)
             k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid, stride_kt,
                            turn_cos, turn_sin, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -135,23 +132,23 @@ if triton is not None:
     # these go to mid_o / mid_lse (indexed by the token's place among the extend tokens,
     # `tok_starts`), merged afterwards: a few query tokens over a long cached context (the
     # question of a warm RAG request) would otherwise run on a handful of multiprocessors.
-    # ROTATE: `kv_turns`, beside `kv_index`, holds each entry's row of the turn tables (-1:
+    # TURN: `entry_turns`, beside `kv_index`, holds each entry's row of the turn tables (-1:
     # the key as stored).
     # INDEXED: query t of a sequence sees entries 0 .. q_limit[tok_starts[i] + t].
     # PACK: a tile's rows are (token, head) pairs of one KV head's group, token-major, so a
     # few query tokens still fill the tile and the group's K/V blocks are read once for all
     # its heads (as in the decode kernel); otherwise a tile is BLOCK_M tokens of one head.
     @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "tok_starts",
-                                   "kv_turns", "q_limit", "splits", "stride_mb", "stride_mh"])
+                                   "entry_turns", "q_limit", "splits", "stride_mb", "stride_mh"])
     def _extend_kernel(
         Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, tok_starts, mid_o, mid_lse,
-        kv_turns, turn_cos, turn_sin, q_limit,
+        entry_turns, turn_cos, turn_sin, q_limit,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         stride_mb, stride_mh,
         qk_scale, splits,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        SPLIT: tl.constexpr, ROTATE: tl.constexpr, INDEXED: tl.constexpr,
+        SPLIT: tl.constexpr, TURN: tl.constexpr, INDEXED: tl.constexpr,
         PACK: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -211,13 +208,13 @@ if triton is not None:
         for start in range(lo, full, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
-                                          kv_turns, turn_cos, turn_sin, BLOCK_N,
-                                          False, PRECISION, ROTATE, HEAD_DIM)
+                                          entry_turns, turn_cos, turn_sin, BLOCK_N,
+                                          False, PRECISION, TURN, HEAD_DIM)
         for start in range(tl.maximum(lo, full), end, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
-                                          kv_turns, turn_cos, turn_sin, BLOCK_N,
-                                          True, PRECISION, ROTATE, HEAD_DIM)
+                                          entry_turns, turn_cos, turn_sin, BLOCK_N,
+                                          True, PRECISION, TURN, HEAD_DIM)
         if not SPLIT:  # entry 0 is in every row's view, so l_i > 0
             out = acc / l_i[:, None]
             tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
@@ -233,7 +230,7 @@ if triton is not None:
             tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
                      mask=m_valid[:, None] & d_valid[None, :])
 
-    # ROTATE: row b's re-positioned ranges are rows b * max_ranges .. + rot_counts[b] of
+    # TURN: row b's turns are rows b * max_ranges .. + rot_counts[b] of
     # `ranges` (a row without any skips the turning at run time, so one compiled kernel, and
     # one captured graph, serves batches with and without them).
     @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits", "rot_counts",
@@ -247,13 +244,13 @@ if triton is not None:
         qk_scale, num_splits,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        ROTATE: tl.constexpr,
+        TURN: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         kv_len = tl.load(kv_lens + b)
-        if ROTATE:
+        if TURN:
             r_lo = b * max_ranges
             r_hi = r_lo + tl.load(rot_counts + b)
         else:
@@ -283,7 +280,7 @@ if triton is not None:
                             other=0).to(tl.int64)
             k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            if ROTATE:  # noqa: SIM102 (compile time, then run time per sequence)
+            if TURN:  # noqa: SIM102 (compile time, then run time per sequence)
                 if r_hi > r_lo:
                     turn = _range_turns(offs_n, ranges, r_lo, r_hi)
                     k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid,
@@ -384,15 +381,15 @@ def extend_splits(q_lens: list[int], kv_lens: list[int], heads: int, kv_heads: i
 
 
 @dataclass(slots=True)
-class KeyTurns:
-    """Re-positioned key ranges of a decode launch.
+class DecodeTurns:
+    """The turns of a decode launch (model/reposition.py).
 
     `ranges`: int32 rows of (start, end, table row), entries start .. end-1 of a sequence's KV
     list seen turned by row `table row` of `cos` / `sin` ([rows, head_dim] float32, turning a
-    key forward by its range's delta); `index`: how many rows each sequence has ([B]), its
-    rows starting at b * `max_ranges`. (A decode row's ranges are searched per KV block: its
-    list is read on the device, as CUDA graphs need. Extend launches carry a turn row per
-    entry instead, `kv_turns`.)"""
+    key forward by its delta); `index`: how many rows each sequence has ([B]), its rows
+    starting at b * `max_ranges`. (A decode row's turns are searched per KV block: its list is
+    read on the device, as CUDA graphs need. Extend launches carry a turn row per entry
+    instead, `entry_turns`.)"""
 
     ranges: torch.Tensor
     cos: torch.Tensor
@@ -401,41 +398,13 @@ class KeyTurns:
     max_ranges: int = 0
 
 
-def padded_ranges(per_seq: list[tuple[tuple[int, int, int], ...]]) -> torch.Tensor:
-    """[B, width, 3] int32 on the host: each sequence's (start, end, table row) ranges, padded
-    with empty ones to the longest (the decode kernel reads only the first `index[b]`)."""
-    width = max(len(r) for r in per_seq)
-    return torch.tensor([list(r) + [(0, 0, 0)] * (width - len(r)) for r in per_seq],
-                        dtype=torch.int32)
-
-
-def entry_turns(ranges: list[tuple[int, int, int]], num_entries: int,
-                device: torch.device) -> torch.Tensor:
-    """[num_entries] int32: each entry's row of the turn tables, -1 outside every range
-    ((start, end, row), disjoint, over the concatenated KV lists). Three launches whatever
-    the number of ranges: a difference array, then its running sum."""
-    bounds = torch.tensor([[a for a, _, _ in ranges], [b for _, b, _ in ranges],
-                           [row + 1 for _, _, row in ranges]], dtype=torch.int64).to(device)
-    delta = torch.zeros(num_entries + 1, dtype=torch.int32, device=device)
-    values = bounds[2].to(torch.int32)
-    delta.index_add_(0, bounds[0], values)
-    delta.index_add_(0, bounds[1], -values)
-    return delta.cumsum(0, dtype=torch.int32)[:-1] - 1
-
-
-def key_turn_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin turning keys forward by each delta of the step. The metadata's tables turn
-    queries back (by minus the delta): the same cosines, negated sines."""
-    return meta.rotation_cos.contiguous(), (-meta.rotation_sin).contiguous()
-
-
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, kv_index: torch.Tensor, kv_indptr: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, max_q_len: int,
                      scale: float, splits: int = 1, tok_starts: torch.Tensor | None = None,
                      merge_rows: torch.Tensor | None = None,
                      q_limit: torch.Tensor | None = None,
-                     kv_turns: torch.Tensor | None = None,
+                     entry_turns: torch.Tensor | None = None,
                      turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
                      pack: bool | None = None) -> None:
     """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
@@ -444,7 +413,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `tok_starts` (int32 on the device): each sequence's first place among the launch's query
     tokens, needed with `splits` > 1 (with `merge_rows`, each such token's row of `q`) or
     `q_limit` (int32 per query token, by that place: the last entry of the list it sees,
-    replacing the bottom-right diagonal). `kv_turns` (int32 beside `kv_index`): each entry's
+    replacing the bottom-right diagonal). `entry_turns` (int32 beside `kv_index`): each entry's
     row of `turn_tables` (cos, sin turning a key forward by a delta), -1 for none. `pack`:
     the group's heads share tiles (see `extend_packs`, which decides when None)."""
     num_seqs = q_starts.numel()
@@ -461,7 +430,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         mid_o, mid_lse = out, out  # unused
     unused = q_starts
-    rotate = kv_turns is not None
+    turning = entry_turns is not None
     if pack:
         grid = (num_seqs, triton.cdiv(max_q_len * group, block_m), heads // group * splits)
     else:
@@ -469,12 +438,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _extend_kernel[grid](
         q, k_cache, v_cache, out, kv_index, kv_indptr, q_starts, q_lens,
         unused if tok_starts is None else tok_starts, mid_o, mid_lse,
-        kv_turns if rotate else unused, turn_tables[0] if rotate else out,
-        turn_tables[1] if rotate else out, unused if q_limit is None else q_limit,
+        entry_turns if turning else unused, turn_tables[0] if turning else out,
+        turn_tables[1] if turning else out, unused if q_limit is None else q_limit,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
         splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-        BLOCK_N=block_n, PRECISION=precision, SPLIT=splits > 1, ROTATE=rotate,
+        BLOCK_N=block_n, PRECISION=precision, SPLIT=splits > 1, TURN=turning,
         INDEXED=q_limit is not None, PACK=pack,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -501,7 +470,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                      kv_lens: torch.Tensor, q_rows: torch.Tensor, num_splits: int,
                      scale: float, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     turns: KeyTurns | None = None) -> None:
+                     turns: DecodeTurns | None = None) -> None:
     """One query row per sequence (`q[q_rows[b]]`) over the first `kv_lens[b]` slots of
     `table[rows[b]]`, written into `out[q_rows[b]]`. Reads lengths, rows and re-positioned
     ranges (`turns`) on the device only, so a captured graph replays it for any of them."""
@@ -516,17 +485,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # float32 stays float32 (exact); tf32 only matters for float32 inputs anyway.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cuda = q.device.type == "cuda"
-    rotate = turns is not None
+    turning = turns is not None
     _decode_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, table, rows, kv_lens, q_rows, mid_o, mid_lse,
-        turns.index if rotate else rows, turns.ranges if rotate else rows,
-        turns.cos if rotate else mid_o, turns.sin if rotate else mid_o,
-        turns.max_ranges if rotate else 0,
+        turns.index if turning else rows, turns.ranges if turning else rows,
+        turns.cos if turning else mid_o, turns.sin if turning else mid_o,
+        turns.max_ranges if turning else 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
         scale * _LOG2E, num_splits,
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, ROTATE=rotate,
+        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, TURN=turning,
         num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
     )
     _merge_kernel[(batch, heads)](
@@ -542,193 +511,3 @@ def decode_scratch(batch: int, heads: int, head_dim: int, num_splits: int,
     """Per-slice partial outputs [B, H, S, D] and their log-sum-exps [B, H, S] (float32)."""
     return (torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=device),
             torch.empty(batch, heads, num_splits, dtype=torch.float32, device=device))
-
-
-@dataclass(slots=True)
-class DecodeBatch:
-    """Device inputs of the decode kernel; a CUDA graph keeps one per captured batch size and
-    fills it in place before each replay."""
-
-    rows: torch.Tensor  # [B] int32: each sequence's row of the slot table
-    kv_lens: torch.Tensor  # [B] int32
-    q_rows: torch.Tensor  # [B] int32: its query row in the step's tokens
-    num_splits: int
-    scratch: tuple[torch.Tensor, torch.Tensor] | None = None
-    turns: KeyTurns | None = None
-
-
-@dataclass(slots=True)
-class _ExtendBatch:
-    """Device inputs of one extend launch (see `extend_attention`)."""
-
-    kv_index: torch.Tensor
-    kv_indptr: torch.Tensor
-    q_starts: torch.Tensor
-    q_lens: torch.Tensor
-    max_q_len: int
-    splits: int = 1
-    tok_starts: torch.Tensor | None = None
-    merge_rows: torch.Tensor | None = None
-    q_limit: torch.Tensor | None = None
-    kv_turns: torch.Tensor | None = None
-    turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-@dataclass(slots=True)
-class _TritonState:
-    decode: DecodeBatch | None = None
-    extend: _ExtendBatch | None = None
-
-
-def indptr_of(lengths: list[int]) -> list[int]:
-    """[0, l0, l0 + l1, ...]: where each of a list of runs starts, and the total."""
-    out = [0]
-    for n in lengths:
-        out.append(out[-1] + n)
-    return out
-
-
-def _int32(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32).to(device, non_blocking=True)
-
-
-class TritonAttentionBackend:
-    """Triton kernels for CUDA. Decode rows are sequences with one query token whose KV list
-    is a prefix of their slot-table row; every other sequence goes through `extend`."""
-
-    name = "triton"
-
-    def __init__(self) -> None:
-        if triton is None:
-            raise ValueError("attention_backend='triton' needs Triton (it ships with CUDA "
-                             "builds of PyTorch; `pip install triton`)")
-
-    def prepare(self, meta: AttentionMetadata) -> None:
-        state = _TritonState()
-        device = meta.write_slots.device
-        decode, extend = [], []
-        for i in range(meta.num_seqs):
-            if meta.q_lens[i] == 1 and meta.prefix[i] and not meta.indexed(i):
-                decode.append(i)
-            else:
-                extend.append(i)
-        tables = key_turn_tables(meta) if any(meta.rotations) else None
-        if decode:
-            host = torch.tensor([[meta.rows[i] for i in decode],
-                                 [meta.kv_lens[i] for i in decode],
-                                 [meta.q_starts[i] for i in decode]], dtype=torch.int32)
-            dev = host.to(device, non_blocking=True)
-            max_kv = max(meta.kv_lens[i] for i in decode)
-            state.decode = DecodeBatch(
-                rows=dev[0], kv_lens=dev[1], q_rows=dev[2],
-                num_splits=decode_splits(len(decode), meta.num_kv_heads, max_kv, device))
-            if tables is not None and any(meta.rotated(i) for i in decode):
-                per_seq = [meta.rotations[i] for i in decode]
-                ranges = padded_ranges(per_seq)
-                state.decode.turns = KeyTurns(
-                    ranges=ranges.to(device, non_blocking=True), cos=tables[0], sin=tables[1],
-                    index=_int32([len(r) for r in per_seq], device),
-                    max_ranges=ranges.shape[1])
-        if extend:
-            state.extend = self._prepare_extend(meta, extend, tables, device)
-        meta.backend_state = state
-
-    @staticmethod
-    def _prepare_extend(meta: AttentionMetadata, extend: list[int],
-                        tables: tuple[torch.Tensor, torch.Tensor] | None,
-                        device: torch.device) -> _ExtendBatch:
-        q_lens = [meta.q_lens[i] for i in extend]
-        kv_lens = [meta.kv_lens[i] for i in extend]
-        host = torch.tensor([indptr_of(kv_lens), [meta.q_starts[i] for i in extend] + [0],
-                             q_lens + [0]], dtype=torch.int32)
-        dev = host.to(device, non_blocking=True)
-        batch = _ExtendBatch(
-            kv_index=torch.cat([meta.kv_indices[i] for i in extend]), kv_indptr=dev[0],
-            q_starts=dev[1, :-1], q_lens=dev[2, :-1], max_q_len=max(q_lens),
-            splits=extend_splits(q_lens, kv_lens, meta.num_heads, meta.num_kv_heads, device))
-        indexed = any(meta.indexed(i) for i in extend)
-        if batch.splits > 1 or indexed:
-            rows = []
-            if batch.splits > 1:
-                rows = [t for i in extend
-                        for t in range(meta.q_starts[i], meta.q_starts[i] + meta.q_lens[i])]
-            dev = _int32(indptr_of(q_lens)[:-1] + rows, device)
-            batch.tok_starts = dev[:len(extend)]
-            batch.merge_rows = dev[len(extend):] if rows else None
-        if indexed:
-            # Each query's last visible entry: the diagonal's, kv_len - q_len + t, for all
-            # sequences in three launches, then the given entries of the indexed ones.
-            tok = indptr_of(q_lens)
-            shift = _int32([k - q - t for k, q, t in zip(kv_lens, q_lens, tok, strict=False)],
-                           device)
-            limit = torch.repeat_interleave(shift, _int32(q_lens, device),
-                                            output_size=tok[-1])
-            limit += torch.arange(tok[-1], dtype=torch.int32, device=device)
-            for j, i in enumerate(extend):
-                if meta.indexed(i):
-                    limit[tok[j]:tok[j + 1]] = meta.query_index[i]
-            batch.q_limit = limit
-        if tables is not None and any(meta.rotated(i) for i in extend):
-            starts = indptr_of(kv_lens)
-            ranges = [(starts[j] + a, starts[j] + b, row) for j, i in enumerate(extend)
-                      if meta.rotated(i) for a, b, row in meta.rotations[i]]
-            batch.kv_turns = entry_turns(ranges, starts[-1], device)
-            batch.turn_tables = tables
-        return batch
-
-    @torch.inference_mode()
-    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int) -> None:
-        """Compile every variant of the kernels before the first request: the extend kernel
-        with and without KV splits, re-positioned keys, query entries and packed heads, the
-        decode kernel with and without re-positioned keys, and the merge kernel at every tile
-        of split counts. Lengths, counts and offsets are run-time values, so these are all the
-        variants a server meets. The dummy inputs read only the padding slot 0 (`pad_row` of
-        the slot table) and write only a scratch output."""
-        device = pool.kv.device
-        k_cache, v_cache = pool.k[0], pool.v[0]
-        head_dim = k_cache.shape[-1]
-        i32 = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-        q = torch.zeros(2, num_heads, head_dim, dtype=k_cache.dtype, device=device)
-        out = torch.empty_like(q)
-        tables = (torch.ones(1, head_dim, dtype=torch.float32, device=device),
-                  torch.zeros(1, head_dim, dtype=torch.float32, device=device))
-        turns = KeyTurns(ranges=i32([0, 1, 0]), cos=tables[0], sin=tables[1],
-                         index=i32([0]), max_ranges=1)
-        # Split counts are run-time values: one per tile of the merge kernel (BLOCK_S).
-        splits_ladder = [1 << i for i in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ... 64
-        packs = (False, True) if num_heads > k_cache.shape[1] else (False,)
-        for splits in splits_ladder:
-            variants = (itertools.product((False, True), (False, True), packs) if splits <= 2
-                        else [(False, False, False)])
-            for rotate, indexed, pack in variants:
-                extend_attention(q, k_cache, v_cache, out, i32([0, 0]), i32([0, 2]), i32([0]),
-                                 i32([2]), 2, 1.0, splits, i32([0]), i32([0, 1]),
-                                 i32([0, 1]) if indexed else None,
-                                 i32([0, -1]) if rotate else None, tables if rotate else None,
-                                 pack=pack)
-            for rotate in (False, True):
-                decode_attention(q, k_cache, v_cache, out, table, i32([pad_row]), i32([1]),
-                                 i32([0]), splits, 1.0, turns=turns if rotate else None)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        k_cache, v_cache = pool.k[layer], pool.v[layer]
-        k_cache.index_copy_(0, meta.write_slots, k)
-        v_cache.index_copy_(0, meta.write_slots, v)
-        return self.attend(q, k_cache, v_cache, meta, scale)
-
-    @staticmethod
-    def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        state: _TritonState = meta.backend_state
-        out = torch.empty_like(q)
-        e = state.extend
-        if e is not None:
-            extend_attention(q, k_cache, v_cache, out, e.kv_index, e.kv_indptr, e.q_starts,
-                             e.q_lens, e.max_q_len, scale, e.splits, e.tok_starts,
-                             e.merge_rows, e.q_limit, e.kv_turns, e.turn_tables)
-        d = state.decode
-        if d is not None:
-            decode_attention(q, k_cache, v_cache, out, meta.table, d.rows, d.kv_lens, d.q_rows,
-                             d.num_splits, scale, d.scratch, d.turns)
-        return out

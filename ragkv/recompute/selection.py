@@ -1,29 +1,5 @@
-"""Selective recompute (DESIGN §1): which chunk tokens of a sequential-layout request are
-computed afresh, attending to everything before them as in an ordinary prefill.
-
-A request reuses its chunks' cached KV re-positioned (the sequential layout), then recomputes a
-set R of chunk tokens at every layer: each token of R is a query at its place in the prompt
-whose KV list is everything before it (S, earlier chunks, its own chunk so far, with the fresh
-K/V of the tokens of R before it), and its fresh K/V go into the request's own slots, replacing
-the cached ones in the request's KV list only. The cached entry is never written, so it stays
-one copy shared by every request. |R| = 0 is the sequential layout itself; R = every chunk
-token is an ordinary full prefill.
-
-R is chosen once per request, after the chunks' KV is ready and before the question is computed:
-- `sink` (EPIC's LegoLink): the first tokens of every chunk, where an isolated chunk puts the
-  false attention sink its own start became;
-- `blend` (CacheBlend): the tokens whose K/V at the check layers deviate most from the cached
-  K/V, probing the chunk tokens through the first layers over the cached KV (layer 0's
-  attention then is exactly the full prefill's: layer-0 K/V depend on the token alone);
-- `query` (ProphetKV, A^3 style): the chunk tokens the question attends to most at the check
-  layers, probing the question through the first layers over the cached KV;
-- `sink+blend`, `sink+query`: the sink tokens first, the scorer's best for the rest.
-The probes (model/probe.py) run batched per request; this module turns their scores (one per
-chunk token) into R, and takes the sink tokens and the budget from the layout alone. A choice
-that needs no probe is made by the scheduler as soon as the request reaches its question; one
-that does, right after the forward of the step that completes the request's chunks.
-Each of a request's n samples chooses (and recomputes) on its own: the choice is the same.
-"""
+"""Where recompute tokens are chosen: a request's `RecomputeSpec` and the set R it gives from
+the layout (sink tokens, the budget) and the probe's scores (recompute/probe.py)."""
 
 from __future__ import annotations
 
@@ -33,28 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import DEFAULT_SINK_TOKENS
-from .request import PromptLayout
-
-# Check layers of `query` when none are configured, as fractions of the model's depth. Its
-# probe runs only the question's tokens, so deeper layers cost almost nothing, and there the
-# question's attention points at the evidence rather than at positions: on SmolLM2-135M
-# (docs/fidelity.md) layers 4, 8 and 12 of 30 close 90% of the gold-likelihood gap at
-# r = 0.15, layer 1 41%. `blend` keeps CacheBlend's layer 1: its probe runs every chunk token
-# through the layers up to the last check layer, so each deeper layer costs a prefill's share.
-QUERY_CHECK_DEPTHS = (0.13, 0.27, 0.4)
-BLEND_CHECK_LAYER = 1
-
-
-def check_layers_for(method: str, configured: tuple[int, ...] | None,
-                     num_layers: int) -> tuple[int, ...]:
-    """The check layers a recompute method probes: the configured ones, else its scorer's
-    default on a model of `num_layers` layers."""
-    if configured is not None:
-        return configured
-    if method.endswith("query"):
-        return tuple(sorted({min(num_layers - 1, round(f * num_layers))
-                             for f in QUERY_CHECK_DEPTHS}))
-    return (BLEND_CHECK_LAYER,)  # a one-layer model has no deviation to score
+from ..inputs.layout import PromptLayout
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,23 +37,21 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache.kv_pool import KVPool
-from ..cache.slot_table import PAD_ROW, SlotTable
-from ..host_ints import int64_tensor
-from .attention import AttentionMetadata
-from .llama import CausalLM
+from ...cache.kv_pool import KVPool
+from ...host_ints import int64_tensor
+from ..llama import CausalLM
+from ..reposition import TurnTable
+from ..slot_table import PAD_ROW, SlotTable
+from .base import AttentionMetadata
 from .triton_attention import (
     DecodeBatch,
-    KeyTurns,
+    ExtendBatch,
     TritonAttentionBackend,
-    _ExtendBatch,
-    _TritonState,
-    decode_scratch,
-    decode_splits,
+    TritonState,
     entry_turns,
-    extend_splits,
     padded_ranges,
 )
+from .triton_kernels import DecodeTurns, decode_scratch, decode_splits, extend_splits
 
 logger = logging.getLogger(__name__)
 
@@ -172,18 +170,13 @@ class DecodeGraphs(_StepGraphs):
     def _forward(self, size: int, turning: bool, splits: int,
                  scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ids, positions, rows, kv_lens, num_ranges = (t[:size] for t in self.inputs)
-        meta = AttentionMetadata(
-            q_lens=[1] * size, kv_lens=[1] * size, q_starts=list(range(size)), kv_indices=[],
-            write_slots=self.slot_table.table[rows, kv_lens - 1].long(),
-            self_only=[False] * size, seq_lens=[1] * size, table=self.slot_table.table,
-            rows=[], prefix=[True] * size, num_heads=self.model.config.num_heads,
-            num_kv_heads=self.pool.k.shape[2],
-        )
-        meta.backend_state = _TritonState(decode=DecodeBatch(
+        turns = (DecodeTurns(ranges=self.ranges[:size], cos=self.turn_cos, sin=self.turn_sin,
+                             index=num_ranges, max_ranges=MAX_RANGES) if turning else None)
+        state = TritonState(table=self.slot_table.table, decode=DecodeBatch(
             rows=rows, kv_lens=kv_lens, q_rows=self.q_rows[:size], num_splits=splits,
-            scratch=scratch, turns=KeyTurns(ranges=self.ranges[:size], cos=self.turn_cos,
-                                            sin=self.turn_sin, index=num_ranges,
-                                            max_ranges=MAX_RANGES) if turning else None))
+            scratch=scratch, turns=turns))
+        meta = AttentionMetadata(write_slots=self.slot_table.table[rows, kv_lens - 1].long(),
+                                 state=state)
         return self.model(ids, positions, self.logits_rows[:size], self.pool, meta, self.backend)
 
     def plan(self, size: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -211,11 +204,11 @@ class DecodeGraphs(_StepGraphs):
         for w in works:
             spans = w.kv_spans
             if (len(w.token_ids) != 1 or len(spans) != 1 or spans[0][0] != 0
-                    or not w.sample or len(w.kv_rotations) > MAX_RANGES):
+                    or not w.sample or len(w.turns) > MAX_RANGES):
                 return False
             if self.dynamic_rope and w.positions[0] >= self.max_positions:
                 return False
-            deltas.update(d for _, _, d in w.kv_rotations)
+            deltas.update(d for _, _, d in w.turns)
         return len(deltas) <= MAX_TURNS
 
     def run(self, works: Sequence) -> torch.Tensor:
@@ -227,9 +220,9 @@ class DecodeGraphs(_StepGraphs):
             + [w.positions[0] for w in works] + [0] * pad
             + [w.request.kv.row for w in works] + [PAD_ROW] * pad
             + [w.kv_spans[0][1] for w in works] + [1] * pad
-            + [len(w.kv_rotations) for w in works] + [0] * pad)
+            + [len(w.turns) for w in works] + [0] * pad)
         self.inputs[:, :size].copy_(host.view(5, size), non_blocking=True)
-        turning = any(w.kv_rotations for w in works)
+        turning = any(w.turns for w in works)
         if turning:
             self._fill_turns(works)
         graph, logits = self.graphs[(size, turning)]
@@ -237,21 +230,11 @@ class DecodeGraphs(_StepGraphs):
         return logits[:n]
 
     def _fill_turns(self, works: Sequence) -> None:
-        """The ranges of the step's re-positioned keys and the cos/sin of their deltas."""
-        deltas: dict[int, int] = {}  # delta -> its row of the turn tables
-        ranges = padded_ranges([[(start, end, deltas.setdefault(delta, len(deltas)))
-                                 for start, end, delta in w.kv_rotations] for w in works])
+        """The step's turns and the cos/sin of their deltas, into the graphs' buffers."""
+        table = TurnTable.build(self.model.rotary, (d for w in works for _, _, d in w.turns))
+        ranges = padded_ranges([table.by_row(w.turns) for w in works])
         self.ranges[:len(works), :ranges.shape[1]].copy_(ranges, non_blocking=True)
-        fill_turn_tables(self.model, deltas, self.turn_cos, self.turn_sin)
-
-
-def fill_turn_tables(model: CausalLM, deltas: dict[int, int], cos: torch.Tensor,
-                     sin: torch.Tensor) -> None:
-    """Rows 0 .. len(deltas) - 1 of a graph's turn tables: the cos, sin turning a key forward
-    by each delta (rotation(d) turns a key rotated for position p into the key for p + d)."""
-    c, s = model.rotary.rotation(list(deltas))
-    cos[:len(deltas)].copy_(c)
-    sin[:len(deltas)].copy_(s)
+        table.fill(self.turn_cos, self.turn_sin)
 
 
 def token_sizes(max_tokens: int) -> list[int]:
@@ -283,7 +266,8 @@ class ExtendGraphs(_StepGraphs):
         self.kv_index = torch.zeros(max_model_len + top, dtype=torch.int32, device=device)
         self.arange = torch.arange(top, dtype=torch.long, device=device)
         self.rows32 = self.arange.to(torch.int32)  # the merge's output rows: every token
-        self.kv_turns = torch.full((max_model_len + top,), -1, dtype=torch.int32, device=device)
+        self.entry_turns = torch.full((max_model_len + top,), -1, dtype=torch.int32,
+                                      device=device)
 
     def _prepare_capture(self, size: int) -> None:
         # Valid lengths: one real token over one entry, the rest padding.
@@ -292,7 +276,7 @@ class ExtendGraphs(_StepGraphs):
     @torch.inference_mode()
     def capture(self) -> None:
         super().capture()
-        self.pool.kv[:, :, 0].zero_()  # the padding slot, written by the dummy steps
+        self.pool.zero_padding_slot()  # written by the dummy steps
 
     def plan(self, size: int) -> int:
         """KV splits of the graph for `size` tokens: for the longest list the engine admits."""
@@ -309,18 +293,14 @@ class ExtendGraphs(_StepGraphs):
         ids, positions = self.inputs[:size], self.inputs[top:top + size]
         offset, logits_row = self.inputs[2 * top:2 * top + 1], self.inputs[2 * top + 1:]
         write_slots = self.kv_index[offset + self.arange[:size]].long()
-        mc = self.model.config
-        meta = AttentionMetadata(
-            q_lens=[size], kv_lens=[size], q_starts=[0], kv_indices=[], write_slots=write_slots,
-            self_only=[False], seq_lens=[1], table=self.slot_table.table, rows=[],
-            prefix=[False], num_heads=mc.num_heads, num_kv_heads=self.pool.k.shape[2])
         counts = self.counts
-        meta.backend_state = _TritonState(extend=_ExtendBatch(
+        state = TritonState(table=self.slot_table.table, extend=ExtendBatch(
             kv_index=self.kv_index, kv_indptr=counts[0:3], q_starts=counts[3:5],
             q_lens=counts[5:7], max_q_len=size, splits=splits,
             tok_starts=counts[3:5], merge_rows=self.rows32[:size],
-            kv_turns=self.kv_turns if turning else None,
+            entry_turns=self.entry_turns if turning else None,
             turn_tables=(self.turn_cos, self.turn_sin) if turning else None))
+        meta = AttentionMetadata(write_slots=write_slots, state=state)
         return self.model(ids, positions, logits_row, self.pool, meta, self.backend)
 
     def can_run(self, works: Sequence) -> bool:
@@ -332,7 +312,7 @@ class ExtendGraphs(_StepGraphs):
         n = len(w.token_ids)
         if (n > self.sizes[-1] or not w.sample or w.end - w.logits_from != 1
                 or w.query_index is not None or w.key_positions is not None
-                or len({d for _, _, d in w.kv_rotations}) > MAX_TURNS):
+                or len({d for _, _, d in w.turns}) > MAX_TURNS):
             return False
         return not (self.dynamic_rope and w.positions[-1] >= self.max_positions)
 
@@ -355,14 +335,13 @@ class ExtendGraphs(_StepGraphs):
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         index = self.slot_table.entries(w.request.kv.row, w.kv_spans)
         self._fill(index, w.token_ids, w.positions, size)
-        turning = bool(w.kv_rotations)
+        turning = bool(w.turns)
         if turning:
             k = index.numel()
-            deltas: dict[int, int] = {}  # delta -> its row of the turn tables
-            ranges = [(a, b, deltas.setdefault(d, len(deltas))) for a, b, d in w.kv_rotations]
-            self.kv_turns[:k].copy_(entry_turns(ranges, k, index.device))
-            self.kv_turns[k:k + size].fill_(-1)  # the padding sequence's entries
-            fill_turn_tables(self.model, deltas, self.turn_cos, self.turn_sin)
+            table = TurnTable.build(self.model.rotary, (d for _, _, d in w.turns))
+            self.entry_turns[:k].copy_(entry_turns(table.by_row(w.turns), k, index.device))
+            self.entry_turns[k:k + size].fill_(-1)  # the padding sequence's entries
+            table.fill(self.turn_cos, self.turn_sin)
         graph, logits = self.graphs[(size, turning)]
         graph.replay()
         return logits

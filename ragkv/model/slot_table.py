@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..cache.kv_manager import SeqKV
 from ..host_ints import int64_tensor
-from .kv_manager import SeqKV
 
 PAD_ROW = 0
 # New entries of one sequence from which a step copies them as a slice of its row rather than

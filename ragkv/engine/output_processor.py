@@ -1,0 +1,268 @@
+"""Output processing: what a step's logits become for the requests that own them. Scored prompt
+tokens keep their log-probabilities, the sampled rows draw their next token (sampling/), each
+token meets the stop rules (stop tokens, stop strings, min_tokens, a complete structured
+output, max_tokens), and the requests that finished (or, streaming, changed) get a vLLM-shaped
+`RequestOutput`, detokenized incrementally.
+
+It also keeps the requests by their parent id (the prompt's n samples), for outputs, aborts
+and failures: a failure while serving one request finishes it and its siblings with
+finish_reason "error" and the message in `RequestOutput.error`, never the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from ..host_ints import int64_tensor, to_device
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling.penalties import TokenHistory
+from ..sampling.sampler import sample
+from ..sampling.stop import find_stop_string
+from .request import Request, RequestStatus
+from .scheduler import Scheduler
+from .scheduler_output import SchedulerOutput
+
+logger = logging.getLogger("ragkv")
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, tokenizer, max_model_len: int,
+                 device: torch.device) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.device = device
+        self._parents: dict[str, list[Request]] = {}
+
+    def add(self, requests: list[Request]) -> None:
+        """Keep one prompt's samples (a new parent id)."""
+        self._parents[requests[0].parent_id] = requests
+
+    def has(self, request_id: str) -> bool:
+        """Whether a request (by its parent id) is queued or running."""
+        return request_id in self._parents
+
+    def process(self, sched: SchedulerOutput, logits: torch.Tensor,
+                include_unfinished: bool) -> list[RequestOutput]:
+        """The step's logits into tokens and outputs: one per parent that finished, or with
+        `include_unfinished` that got a token."""
+        logits = _keep_scores(sched, logits)
+        sampled = [w.request for w in sched.works if w.sample]
+        touched: dict[str, None] = {}
+        if sampled:
+            try:
+                history = None
+                if any(r.params.has_penalties for r in sampled):
+                    history = [self._history(r) if r.params.has_penalties else None
+                               for r in sampled]
+                result = sample(logits, [r.params for r in sampled],
+                                [r.seed for r in sampled],
+                                [r.num_output_tokens for r in sampled], history)
+            except Exception as e:  # noqa: BLE001 (the sampled requests fail, not the engine)
+                logger.exception("sampling failed")
+                for req in sampled:
+                    self.fail(req, f"sampling failed: {type(e).__name__}: {e}")
+                    touched[req.parent_id] = None
+                sampled = []
+            now = time.monotonic()
+            for j, req in enumerate(sampled):
+                if req.status.finished:
+                    continue  # a sibling failed
+                try:
+                    self._append_token(req, result.token_ids[j], result.token_logprobs[j],
+                                       result.top_logprobs[j], now)
+                except Exception as e:  # noqa: BLE001 (this request fails, not the step)
+                    logger.exception("request %s failed", req.request_id)
+                    self.fail(req, f"{type(e).__name__}: {e}")
+                touched[req.parent_id] = None
+        outputs = []
+        for pid in touched:
+            children = self._parents.get(pid)
+            if children is not None and (include_unfinished
+                                         or all(c.status.finished for c in children)):
+                outputs.append(self._output(pid))
+        return outputs
+
+    def fail(self, req: Request, message: str | None) -> None:
+        """Finish `req` and its siblings (the other samples of its prompt) with an error."""
+        now = time.monotonic()
+        for child in self._parents.get(req.parent_id, [req]):
+            if child is req or not child.status.finished:
+                child.error = message or "request failed"
+                if child.metrics.finished_time is None:
+                    child.metrics.finished_time = now
+                if not child.status.finished:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+
+    def fail_parents(self, failed: list[Request]) -> list[RequestOutput]:
+        """Fail the siblings of `failed` requests too; the outputs of their parents."""
+        for req in failed:
+            self.fail(req, req.error)
+        parents = dict.fromkeys(r.parent_id for r in failed)
+        return [self._output(pid) for pid in parents if pid in self._parents]
+
+    def abort(self, request_id: str) -> None:
+        for req in self._parents.pop(request_id, []):
+            if not req.status.finished:
+                req.metrics.finished_time = time.monotonic()
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def abort_all(self) -> None:
+        """Abort every queued and running request."""
+        for request_id in list(self._parents):
+            self.abort(request_id)
+        sched = self.scheduler
+        for req in list(sched.running) + list(sched.waiting):
+            sched.finish(req, RequestStatus.FINISHED_ABORTED)  # not reachable by id
+
+    def _history(self, req: Request) -> TokenHistory:
+        """What a request's penalties read; its prompt's distinct ids go to the device once
+        for all of a parent's samples (non-blocking: the step's forward is still running)."""
+        prompt = None
+        if req.params.repetition_penalty != 1.0:
+            if req.prompt_ids_on_device is None:
+                siblings = self._parents.get(req.parent_id, ())
+                shared = next((s.prompt_ids_on_device for s in siblings
+                               if s.prompt_ids_on_device is not None), None)
+                if shared is None:
+                    shared = to_device(int64_tensor(list(set(req.prompt_token_ids))),
+                                       self.device)
+                req.prompt_ids_on_device = shared
+            prompt = req.prompt_ids_on_device
+        early = req.num_output_tokens < req.params.min_tokens
+        allowed, also, ban = None, (), early
+        if req.matcher is not None:
+            # Stop tokens only where the output may end (and min_tokens allows): added where
+            # it may, banned elsewhere (a stop token with text may fit the grammar's mask).
+            allowed = req.matcher.mask()
+            ending = req.matcher.accepting and not early
+            also = tuple(req.stop_ids) if ending else ()
+            ban = not ending
+        return TokenHistory(req.output_counts or {}, prompt,
+                            tuple(req.stop_ids) if ban else (), allowed, also)
+
+    def _append_token(self, req: Request, token: int, logprob: float | None,
+                      top: tuple[list[int], list[float], int] | None, now: float) -> None:
+        req.token_ids.append(token)
+        if req.output_counts is not None:
+            req.output_counts[token] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        req.metrics.last_token_time = now
+        if req.logprobs is not None:
+            entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in
+                     enumerate(zip(top[0], top[1], strict=False))}
+            entry.setdefault(token, Logprob(logprob, rank=top[2]))
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+            req.logprobs.append(entry)
+            req.cumulative_logprob += logprob
+        status = None
+        # vLLM's min_tokens: a stop token ends a sample from the min_tokens-th token on (none
+        # is sampled before), a stop string only in text after the first min_tokens tokens.
+        # Before that the text stays current, so a later search sees only what later tokens
+        # add.
+        count = req.num_output_tokens
+        if token in req.stop_ids and count >= req.params.min_tokens:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token if token in req.params.stop_token_ids else None
+        elif req.params.stop and count <= req.params.min_tokens:
+            req.detokenizer.update(req.token_ids)
+        elif req.params.stop:
+            stop = find_stop_string(req.detokenizer, req.token_ids, req.params.stop)
+            if stop is not None:
+                req.text = req.detokenizer.text
+                req.stop_reason = stop
+                status = RequestStatus.FINISHED_STOPPED
+        if req.matcher is not None and token not in req.stop_ids:
+            req.matcher.advance(token)
+            if status is None and req.matcher.terminal:
+                status = RequestStatus.FINISHED_STOPPED  # complete: nothing may follow
+        if status is None and (req.num_output_tokens >= req.max_tokens
+                               or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if not isinstance(req.stop_reason, str):  # a stop string already cut the text
+            ids, end = req.token_ids, req.num_tokens
+            if (status is RequestStatus.FINISHED_STOPPED and req.num_output_tokens
+                    and ids[-1] in req.stop_ids):
+                end -= 1  # the stop token's text is not part of the output (vLLM)
+            req.text = req.detokenizer.finish(ids, end)
+        req.metrics.finished_time = time.monotonic()
+        self.scheduler.finish(req, status)
+
+    def _output(self, parent_id: str) -> RequestOutput:
+        children = self._parents[parent_id]
+        finished = all(c.status.finished for c in children)
+        if finished:
+            del self._parents[parent_id]
+        first = children[0]
+        completions = [
+            CompletionOutput(
+                index=c.index,
+                text=c.text if c.status.finished else _partial_text(c),
+                token_ids=list(c.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob,
+                # A copy: the engine keeps appending while a server thread reads it.
+                logprobs=None if c.logprobs is None else list(c.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in children
+        ]
+        error = next((c.error for c in children if c.error is not None), None)
+        metrics = first.metrics
+        if finished and len(children) > 1:  # the request ends with its last sample
+            metrics = replace(metrics, finished_time=max(c.metrics.finished_time or 0.0
+                                                         for c in children),
+                              last_token_time=max(c.metrics.last_token_time or 0.0
+                                                  for c in children),
+                              num_preemptions=sum(c.metrics.num_preemptions for c in children))
+        return RequestOutput(
+            request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            metrics=metrics, error=error, score_logprobs=_scores(first),
+        )
+
+
+def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
+    """Store the log-probabilities of scored prompt tokens; the rows to sample from."""
+    if not any(w.request.num_scored_tokens for w in sched.works):
+        return logits  # one row per sampling work
+    sample_rows: list[int] = []
+    row = 0
+    for w in sched.works:
+        n = w.end - w.logits_from
+        req = w.request
+        first = req.num_prompt_tokens - req.num_scored_tokens
+        lo, hi = max(w.logits_from, first), min(w.end, req.num_prompt_tokens)
+        if req.num_scored_tokens and lo < hi:
+            part = logits[row + lo - w.logits_from:row + hi - w.logits_from]
+            rows = torch.log_softmax(part.float(), dim=-1).cpu()
+            for t in range(lo, hi):  # by token: a recomputed token overwrites its row
+                req.scores[t] = rows[t - lo]
+        if w.sample:
+            sample_rows.append(row + n - 1)
+        row += n
+    return logits[sample_rows]
+
+
+def _scores(req: Request) -> torch.Tensor | None:
+    first = req.num_prompt_tokens - req.num_scored_tokens
+    if not req.num_scored_tokens or len(req.scores) < req.num_scored_tokens:
+        return None
+    return torch.stack([req.scores[t] for t in range(first, req.num_prompt_tokens)])
+
+
+def _partial_text(req: Request) -> str:
+    """The stable text of an unfinished request (an incomplete last character is held back),
+    brought up to date incrementally."""
+    req.detokenizer.update(req.token_ids)
+    return req.detokenizer.text

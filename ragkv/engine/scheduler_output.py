@@ -1,0 +1,91 @@
+"""What a scheduling step hands the model runner and takes back: the plan of one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..cache.chunk_cache import ChunkEntry
+from ..cache.kv_manager import SeqKV
+from ..recompute.probe import ProbeWork
+from .request import Request
+
+
+@dataclass(slots=True)
+class SeqWork:
+    """One sequence's share of a step, in the attention contract's terms: flat tokens
+    [start, end) of `request` are computed now; the KV list is the concatenation of the
+    `kv_spans` ranges of `request.kv.slots`, the last ending at `end`."""
+
+    request: Request
+    start: int
+    end: int
+    kv_spans: tuple[tuple[int, int], ...]
+    token_ids: list[int]
+    positions: list[int]
+    sample: bool  # the step ends this request's pending tokens: sample the next one
+    # Flat index of the first token whose logits the step returns (`end` for none): the
+    # sampled token's, preceded by any scored prompt tokens (`Request.num_scored_tokens`).
+    logits_from: int = 0
+    # (start, end, delta) ranges of the KV list whose keys attention sees turned forward by
+    # `delta` positions (cached chunks re-positioned; model/reposition.py).
+    turns: tuple[tuple[int, int, int], ...] = ()
+    # Recomputed chunk tokens (recompute/): the KV-list entries the tokens are, which
+    # are not the last ones, and their keys' RoPE positions (the chunk's base positions, where
+    # the cached keys around them sit; `positions` are their places in the prompt).
+    query_index: tuple[int, ...] | None = None
+    key_positions: list[int] | None = None
+
+    @property
+    def kv(self) -> SeqKV:
+        return self.request.kv
+
+    @property
+    def num_kv(self) -> int:
+        return sum(b - a for a, b in self.kv_spans)
+
+    def write_positions(self) -> range | tuple[int, ...]:
+        """Entries of `request.kv.slots` the work's new K/V go to."""
+        if self.query_index is not None:
+            return self.query_index
+        return range(self.end - len(self.token_ids), self.end)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan: the works the runner computes, and what the scheduler's `update`
+    commits once they ran."""
+
+    works: list[SeqWork] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Chunk-cache entries whose last tokens are computed by this step.
+    completing: list[ChunkEntry] = field(default_factory=list)
+    # Flat token count each scheduled request will have computed after this step.
+    progress: dict[int, tuple[Request, int]] = field(default_factory=dict)
+    # Requests that failed while being planned (already finished with FINISHED_ERROR).
+    failed: list[Request] = field(default_factory=list)
+    # Probes the runner executes after this step's forward (which completes their requests'
+    # chunks): their scores choose the recomputed tokens (recompute/probe.py); and the count
+    # of selected tokens each request will have computed after this step.
+    probes: list[ProbeWork] = field(default_factory=list)
+    recomputed: dict[int, tuple[Request, int]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not self.works and not self.probes
+
+    def requests(self) -> list[Request]:
+        """The requests with work in this step, each once."""
+        return list({id(w.request): w.request for w in self.works}.values())
+
+    def discard(self, req: Request) -> None:
+        """Forget everything `req` was given this step."""
+        if any(w.request is req for w in self.works):
+            self.works = [w for w in self.works if w.request is not req]
+        owned = {id(b.entry) for b in req.bindings
+                 if b is not None and b.entry is not None and b.computing}
+        if owned:
+            self.completing = [e for e in self.completing if id(e) not in owned]
+        self.progress.pop(id(req), None)
+        self.recomputed.pop(id(req), None)
+        if any(p.request is req for p in self.probes):
+            self.probes = [p for p in self.probes if p.request is not req]

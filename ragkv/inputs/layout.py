@@ -1,0 +1,101 @@
+"""Where a prompt's tokens sit: all the position arithmetic of one request, in one frozen value.
+
+A RAG request's tokens are laid out flat as S + C_1 + ... + C_n + Q + generated. Its layout says
+where each segment lies, which RoPE positions its tokens take, and how far each chunk's cached
+keys are turned to sit where the request places it (docs/rag.md states the semantics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLayout:
+    """Flat token offsets of a prompt's segments and the positions of its tokens. An ordinary
+    prompt has no chunks and its question segment is the whole prompt.
+
+    A chunk's KV is always computed the same way, whatever the request does with it: at its
+    *base* positions, after S (`isolated`: base s, its KV list S + itself) or alone
+    (`standalone`: base 0, its KV list itself). That is what the chunk cache stores. The
+    request places chunk i at its *target* positions: s for every chunk (`shared`) or where
+    the chunk lies in the flat prompt (`sequential`); the question and generated tokens follow
+    the longest chunk (`shared`) or the last one (`sequential`). Whoever attends to chunk i
+    later sees its keys turned forward by `chunk_deltas[i]` = target - base (`turns`)."""
+
+    system_len: int
+    chunk_bounds: tuple[tuple[int, int], ...]  # [start, end) of each chunk
+    question_start: int
+    max_chunk_len: int
+    sees_system: bool = True  # chunk_attention == "isolated"
+    chunk_deltas: tuple[int, ...] = ()
+    # (start, end, delta) of every chunk whose keys are turned (model/reposition.py), in flat
+    # token indices (which are also KV-list indices for the question and generated tokens).
+    turns: tuple[tuple[int, int, int], ...] = ()
+    question_offset: int = 0  # RoPE position minus flat index, for Q and generated tokens
+
+    @classmethod
+    def build(cls, system_len: int, chunk_lens: list[int], position_strategy: str = "shared",
+              chunk_attention: str = "isolated") -> PromptLayout:
+        bounds, start = [], system_len
+        for n in chunk_lens:
+            bounds.append((start, start + n))
+            start += n
+        sees_system = chunk_attention == "isolated"
+        base = system_len if sees_system else 0
+        sequential = position_strategy == "sequential"
+        deltas = tuple((a if sequential else system_len) - base for a, _ in bounds)
+        longest = max(chunk_lens, default=0)
+        return cls(
+            system_len=system_len, chunk_bounds=tuple(bounds), question_start=start,
+            max_chunk_len=longest, sees_system=sees_system, chunk_deltas=deltas,
+            turns=tuple((a, b, d) for (a, b), d in zip(bounds, deltas, strict=True) if d),
+            question_offset=0 if sequential or not bounds else system_len + longest - start,
+        )
+
+    @property
+    def is_rag(self) -> bool:
+        return bool(self.chunk_bounds)
+
+    def chunk_at(self, x: int) -> int | None:
+        """Index of the chunk holding flat token x, if any."""
+        if not self.system_len <= x < self.question_start:
+            return None
+        for i, (start, end) in enumerate(self.chunk_bounds):
+            if start <= x < end:
+                return i
+        return None
+
+    def chunk_kv_spans(self, chunk: int, end: int) -> tuple[tuple[int, int], ...]:
+        """The KV list (ranges of flat tokens) of chunk tokens computed up to flat `end`."""
+        start = self.chunk_bounds[chunk][0]
+        if self.sees_system and self.system_len:
+            return ((0, self.system_len), (start, end))
+        return ((start, end),)
+
+    def chunk_positions(self, xs: list[int]) -> tuple[list[int], list[int]]:
+        """Base positions (where the cache computed their keys) and target positions (where
+        the request places them) of the chunk tokens `xs`, ascending flat indices."""
+        base_of = self.system_len if self.sees_system else 0
+        base, target = [], []
+        i = 0
+        for x in xs:
+            while self.chunk_bounds[i][1] <= x:
+                i += 1
+            b = base_of + x - self.chunk_bounds[i][0]
+            base.append(b)
+            target.append(b + self.chunk_deltas[i])
+        return base, target
+
+    def positions(self, start: int, end: int) -> list[int]:
+        """RoPE positions of flat tokens [start, end), which lie in one segment; chunk tokens
+        at their base positions (where their KV is computed)."""
+        s = self.system_len
+        if end <= s:
+            return list(range(start, end))
+        if start >= self.question_start:
+            offset = self.question_offset
+            return list(range(start + offset, end + offset))
+        chunk_start = self.chunk_bounds[self.chunk_at(start)][0]
+        base = s if self.sees_system else 0
+        return list(range(base + start - chunk_start, base + end - chunk_start))

@@ -1,0 +1,70 @@
+"""Where a cached key is turned to a new position: the one home of re-positioned keys.
+
+A chunk's cached keys carry the RoPE rotation of the positions they were computed at (the
+chunk's base positions). A request that places the chunk elsewhere (sequential positions, a
+standalone chunk) sees those keys *turned forward* by `delta` = target - base positions: a key
+rotated for position p is seen as the key rotated for p + delta (RoPE angles are linear in
+the position, so R(p + delta) = R(delta) R(p)). One name for this everywhere: a **turn** is a
+range of a sequence's KV list, (start, end, delta) where the request plans it and (start, end,
+row) once the step's `TurnTable` has given each distinct delta a row. The pool is never
+written, so a chunk's slots stay one copy shared by every request, whatever position each
+gives it.
+
+One sign convention: a `TurnTable`'s cos/sin turn a key *forward* by its row's delta. RoPE
+makes a score depend only on the rotation of q against k, so a backend may turn the query
+*back* instead, (R(-d) q) . k = q . (R(d) k): `for_queries()` gives those tables (the same
+cosines, negated sines), which is cheaper when a sequence has a few queries over many keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+# (start, end, delta) in planning, (start, end, row of the step's TurnTable) in a step.
+Turn = tuple[int, int, int]
+
+
+class TurnTable:
+    """The turns of one step: each distinct delta a row, with the float32 cos/sin ([rows,
+    head_dim]) that turn a key forward by it."""
+
+    __slots__ = ("rows", "cos", "sin", "_back")
+
+    def __init__(self, rows: dict[int, int], cos: torch.Tensor, sin: torch.Tensor) -> None:
+        self.rows = rows  # delta -> row
+        self.cos = cos
+        self.sin = sin
+        self._back: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, rotary, deltas: Iterable[int]) -> TurnTable:
+        """Rows for `deltas` in first-seen order (`rotary`: the model's RotaryEmbedding)."""
+        rows: dict[int, int] = {}
+        for delta in deltas:
+            rows.setdefault(delta, len(rows))
+        if not rows:  # no turn: nothing to compute (dynamic RoPE refuses any rotation)
+            empty = torch.empty(0, rotary.head_dim, device=rotary.inv_freq.device)
+            return cls(rows, empty, empty)
+        cos, sin = rotary.rotation(list(rows))
+        return cls(rows, cos, sin)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def by_row(self, turns: Iterable[Turn]) -> tuple[Turn, ...]:
+        """(start, end, delta) turns as (start, end, row) of this table."""
+        return tuple((a, b, self.rows[d]) for a, b, d in turns)
+
+    def for_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin turning a query back by each row's delta."""
+        if self._back is None:
+            self._back = -self.sin
+        return self.cos, self._back
+
+    def fill(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Copy the rows into persistent buffers (a CUDA graph's), rows 0 .. len - 1."""
+        n = len(self.rows)
+        cos[:n].copy_(self.cos)
+        sin[:n].copy_(self.sin)

@@ -1,0 +1,59 @@
+"""Which selective recompute a request gets: its own settings, else the engine's, checked
+against its layout and the model, and each scorer's check layers."""
+
+from __future__ import annotations
+
+from ..config import EngineConfig, check_recompute
+from .selection import RecomputeSpec
+
+# Check layers of `query` when none are configured, as fractions of the model's depth. Its
+# probe runs only the question's tokens, so deeper layers cost almost nothing, and there the
+# question's attention points at the evidence rather than at positions: on SmolLM2-135M
+# (docs/fidelity.md) layers 4, 8 and 12 of 30 close 90% of the gold-likelihood gap at
+# r = 0.15, layer 1 41%. `blend` keeps CacheBlend's layer 1: its probe runs every chunk token
+# through the layers up to the last check layer, so each deeper layer costs a prefill's share.
+QUERY_CHECK_DEPTHS = (0.13, 0.27, 0.4)
+BLEND_CHECK_LAYER = 1
+
+
+def check_layers_for(method: str, configured: tuple[int, ...] | None,
+                     num_layers: int) -> tuple[int, ...]:
+    """The check layers a recompute method probes: the configured ones, else its scorer's
+    default on a model of `num_layers` layers."""
+    if configured is not None:
+        return configured
+    if method.endswith("query"):
+        return tuple(sorted({min(num_layers - 1, round(f * num_layers))
+                             for f in QUERY_CHECK_DEPTHS}))
+    return (BLEND_CHECK_LAYER,)  # a one-layer model has no deviation to score
+
+
+def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None,
+                   sink_tokens: int | None, position_strategy: str,
+                   num_layers: int) -> RecomputeSpec | None:
+    """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens`, else the
+    engine's), or None; raises ValueError for one its layout or the model cannot do."""
+    method = config.recompute if method is None else method
+    ratio = config.recompute_ratio if ratio is None else ratio
+    sink = config.recompute_sink_tokens if sink_tokens is None else sink_tokens
+    check_recompute(method, ratio, sink)
+    if method == "none":
+        return None
+    if position_strategy != "sequential":
+        raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
+                         f"layout, not with position_strategy={position_strategy!r}")
+    return RecomputeSpec(method, float(ratio), sink,
+                         check_layers(method, config.recompute_check_layers, num_layers))
+
+
+def check_layers(method: str, configured: tuple[int, ...] | None,
+                 num_layers: int) -> tuple[int, ...]:
+    """The check layers `method` probes on a model of `num_layers` layers; a configured layer
+    the model does not have is a ValueError."""
+    layers = check_layers_for(method, configured, num_layers)
+    bad = [x for x in layers if x >= num_layers]
+    if bad and (configured is not None or method != "sink"):  # sink alone probes nothing
+        which = "" if configured is not None else f" ({method}'s default)"
+        raise ValueError(f"recompute_check_layers={layers}{which} names layer {bad[0]}; "
+                         f"the model has layers 0 .. {num_layers - 1}")
+    return layers

@@ -1,0 +1,131 @@
+"""The selective-recompute probe: a few layers of the model over a request's cached KV,
+read-only, to score its chunk tokens. It is a kind of work of the step: the scheduler plans it
+(planner.py) in the step that completes the request's chunks, the model runner executes it
+after that step's forward, and its scores come back through the scheduler's update, which
+chooses R from them (selection.py).
+
+The probed tokens run through layers 0 .. max(check layers) of the model's own layer loop
+(`CausalLM.run_layers`) as queries at their places in the prompt, attending (bottom-right
+causal) to the request's KV list: S and the chunks as cached, turned like any reuse, plus — for
+question tokens — their own fresh K/V, which are kept in the probe and never written to the
+pool. Scores, one per chunk token:
+- `blend`: the chunk tokens probe themselves; at a check layer, how far their fresh K and V
+  (keys at the chunk's base positions, like the cached ones) lie from the cached K and V. At
+  layer 0 both are the same function of the token, so the deviation starts at layer 1, after
+  one layer of attention across chunks;
+- `query`: the question tokens probe; at a check layer, the attention weight all their heads
+  give each chunk token.
+Each check layer's scores are divided by their total, so layers weigh alike when several are
+checked. Attention whose weights are not wanted is one fused call over keys turned forward (a
+private copy); where they are, queries go in row blocks so the [heads, rows, keys] weights
+stay bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_manager import SeqKV
+from ..cache.kv_pool import KVPool
+from ..model.backends.base import causal_mask
+from ..model.backends.torch_sdpa import turned_keys_attention, turned_probs
+from ..model.llama import Attention, CausalLM
+from ..model.reposition import Turn, TurnTable
+
+# Bound on the attention weights one block of probe queries materializes (float32 elements).
+_BLOCK_ELEMENTS = 1 << 25
+
+
+@dataclass(slots=True)
+class ProbeWork:
+    """One request's probe in a step. `kind`: "blend" (`token_ids` are the chunk tokens) or
+    "query" (the question tokens); `kv_slots`: the request's KV list up to the question (S and
+    the chunks, flat order); `turns`: (start, end, delta) of its re-positioned chunks;
+    `chunks`: [start, end) of the chunk tokens in that list."""
+
+    request: object  # the engine's Request, handed back with the scores
+    kind: str
+    token_ids: list[int]
+    positions: list[int]
+    key_positions: list[int]
+    kv_slots: list[int]
+    turns: tuple[Turn, ...]
+    chunks: tuple[int, int]
+    check_layers: tuple[int, ...]
+
+    @property
+    def kv(self) -> SeqKV:
+        return self.request.kv
+
+    @torch.inference_mode()
+    def run(self, model: CausalLM, pool: KVPool) -> torch.Tensor:
+        """Scores [chunk tokens] (float32, CPU)."""
+        device = pool.k.device
+        n = len(self.token_ids)
+        cos, sin = model.rotary.cos_sin(torch.tensor(self.positions, device=device))
+        key_rope = model.rotary.cos_sin(torch.tensor(self.key_positions, device=device))
+        index = torch.tensor(self.kv_slots, dtype=torch.long, device=device)
+        table = TurnTable.build(model.rotary, sorted({d for _, _, d in self.turns}))
+        rows = table.by_row(self.turns)
+        first, last = self.chunks
+        scores = torch.zeros(last - first, dtype=torch.float64, device=device)
+        check_layers = self.check_layers
+        final = max(check_layers)
+        blend = self.kind == "blend"
+
+        def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor | None:
+            q, k, v = attn.qkv(x, cos, sin, key_rope)
+            keys, values = pool.k[i].index_select(0, index), pool.v[i].index_select(0, index)
+            if blend:
+                if i in check_layers:
+                    fresh = torch.cat([k, v], dim=1).float()
+                    cached = torch.cat([keys[first:last], values[first:last]], dim=1).float()
+                    dev = (fresh - cached).square().sum(dim=(1, 2)).sqrt().double()
+                    scores.add_(dev / dev.sum().clamp_min(1e-30))
+                if i == final:
+                    return None  # the deviation needs this layer's K/V only
+            else:
+                keys, values = torch.cat([keys, k]), torch.cat([values, v])
+            weigh = (first, last) if not blend and i in check_layers else None
+            out, weight = _attend(q, keys, values, rows, table, attn.scale, weigh)
+            if weight is not None:
+                scores.add_(weight / weight.sum().clamp_min(1e-30))
+            if i == final:
+                return None
+            return attn.o_proj.forward(out.reshape(n, -1))
+
+        ids = torch.tensor(self.token_ids, device=device)
+        model.run_layers(model.embed_tokens[ids], attend)
+        return scores.float().cpu()
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            rows: tuple[tuple[int, int, int], ...], table: TurnTable, scale: float,
+            weigh: tuple[int, int] | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bottom-right causal attention of q over keys in row blocks; with `weigh` = [a, b) also
+    the attention weight of all queries and heads on each of entries a .. b-1 (float64)."""
+    n, heads, d = q.shape
+    k_len, kv_heads = keys.shape[0], keys.shape[1]
+    if weigh is None:  # no weights wanted: one fused call over keys turned forward
+        mask = causal_mask(n, n, q.device) if n > 1 else None
+        return turned_keys_attention(q, keys, values, rows, table, scale, mask), None
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    weight = torch.zeros(weigh[1] - weigh[0], dtype=torch.float64, device=q.device)
+    block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
+    vs = values.float().transpose(0, 1)
+    for t0 in range(0, n, block):
+        t1 = min(n, t0 + block)
+        # Query t sees entries 0 .. k_len - n + t; the mask covers the entries after the
+        # first query's last.
+        seen = torch.arange(t0, t1, device=q.device)[:, None] + (k_len - n)
+        mask = torch.arange(k_len - n + t0, k_len, device=q.device)[None, :] <= seen
+        probs = turned_probs(q[t0:t1], keys, rows, table, scale, mask)
+        weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
+        o = probs @ vs  # [kv_heads, group * rows, d]
+        out[t0:t1] = o.view(kv_heads, group, t1 - t0, d).permute(2, 0, 1, 3).reshape(
+            t1 - t0, heads, d).to(q.dtype)
+    return out, weight
