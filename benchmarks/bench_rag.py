@@ -6,9 +6,9 @@ The prompt: a system prompt, several documents and a question (default 64 + 4 x 
 tokens). "Full prefill" computes all of it (caches cleared before each run); "warm" runs with
 every document already in the chunk cache, in a new order, with a new question, so only the
 question is computed. The bound is the FLOP ratio of the two (full prefill FLOPs / question-
-only FLOPs over the same context, DESIGN §5). HF transformers computing the same prompt with
-the reference mask is timed alongside. Warm TTFT, and the decode step of a batch of 8 warm
-requests, are then measured for each layout (shared or sequential positions, isolated or
+only FLOPs over the same context, ragkv/bench/flops.py). HF transformers computing the same
+prompt with the reference mask is timed alongside. Warm TTFT, and the decode step of a batch
+of 8 warm requests, are then measured for each layout (shared or sequential positions, isolated or
 standalone chunks), interleaved.
 
 Re-positioning: S + a 16-token document + a long document (default 4,096 tokens) + the

@@ -32,10 +32,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 # Fraction of free accelerator memory (after the weights are loaded) given to the pool.
 DEFAULT_GPU_KV_FRACTION = 0.85
-# RAG layouts (DESIGN §1): where chunks sit, and what a chunk's tokens attend to.
+# RAG layouts (docs/rag.md): where chunks sit, and what a chunk's tokens attend to.
 POSITION_STRATEGIES = ("shared", "sequential")
 CHUNK_ATTENTIONS = ("isolated", "standalone")
-# Selective recompute (DESIGN §1): which chunk tokens of a sequential layout are recomputed
+# Selective recompute (recompute/): which chunk tokens of a sequential layout are recomputed
 # with full attention. "sink+X" takes each chunk's first tokens, then X's best to the budget.
 RECOMPUTE_METHODS = ("none", "blend", "sink", "query", "sink+blend", "sink+query")
 # Sink tokens per chunk in a combination ("sink+blend", "sink+query") when none are given:
@@ -60,7 +60,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_logprobs: int = 20
     max_n: int = 128  # largest `n` (completions per prompt) a request may ask for
-    # Chunk cache (DESIGN §1-§3): chunk-isolated RAG prompts with reusable chunk KV.
+    # Chunk cache (docs/rag.md): chunk-isolated RAG prompts with reusable chunk KV.
     enable_chunk_cache: bool = True
     chunk_separator: str | None = "##"
     chunk_cache_tokens: int | None = None
@@ -83,7 +83,7 @@ class EngineConfig:
     # its own): the method, the fraction r of chunk tokens recomputed, k sink tokens per
     # chunk (None: ceil(r * len) for `sink` alone, DEFAULT_SINK_TOKENS in combinations), and
     # the layers whose K/V deviation (`blend`) or question attention (`query`) scores tokens
-    # (None: each scorer's own, engine/recompute.py: check_layers_for).
+    # (None: each scorer's own, recompute/policy.py: check_layers_for).
     recompute: str = "none"
     recompute_ratio: float = 0.15
     recompute_sink_tokens: int | None = None

@@ -1,4 +1,4 @@
-"""The one-pass reference (DESIGN.md §1): HF transformers runs the plain model over the whole
+"""The one-pass reference (docs/rag.md): HF transformers runs the plain model over the whole
 token sequence with an explicit 4-D additive float mask and explicit position ids."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def layout_reference(system: list[int], chunks: list[list[int]], question: list[
                      position_strategy: str = "shared", chunk_attention: str = "isolated"
                      ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
     """Token ids, positions, visibility [T, T] and hidden tokens [T] (bool: seen by no token
-    after the prompt) of one pass over a RAG prompt in any layout (DESIGN §1).
+    after the prompt) of one pass over a RAG prompt in any layout (docs/rag.md).
 
     - positions `shared`: every chunk at s..; `sequential`: chunk i where it lies in the flat
       prompt; Q after the longest chunk (shared) or the last one (sequential);

@@ -1,5 +1,5 @@
 """The chunk store (issue 12): chunk KV beyond the pool, in host memory, on disk and in Redis,
-behind one `ChunkStore` interface (DESIGN §3, "Beyond the pool").
+behind one `ChunkStore` interface (docs/architecture.md, "Beyond the pool").
 
 - the entry format round-trips byte for byte and rejects every damaged or foreign entry;
 - each tier keeps the interface's rules (write-once, bounded LRU, stats);

@@ -22,8 +22,8 @@ from ragkv.structured.json_grammar import (
     ByteGrammar,
     choice_grammar,
     json_object_grammar,
-    json_schema_grammar,
 )
+from ragkv.structured.json_schema import json_schema_grammar
 
 JSON_WS = " \t\n\r"  # JSON's whitespace (str.isspace knows more)
 

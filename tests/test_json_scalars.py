@@ -16,7 +16,6 @@ import uuid
 
 import pytest
 
-from ragkv.structured.json_grammar import json_schema_grammar
 from ragkv.structured.json_scalars import (
     MAX_DIGITS,
     NumberBounds,
@@ -24,6 +23,7 @@ from ragkv.structured.json_scalars import (
     number_complete,
     number_prefix_ok,
 )
+from ragkv.structured.json_schema import json_schema_grammar
 
 # -- numbers within bounds -------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""RAG layouts beyond the default (DESIGN §1 "Later modes"): `sequential` positions and
+"""RAG layouts beyond the default (docs/rag.md): `sequential` positions and
 `standalone` chunks, whose cached keys are used at positions other than the ones they were
 computed at, rotated at attention time.
 

@@ -1,4 +1,4 @@
-"""Prompt parsing (DESIGN §2) with the builtin:tiny tokenizer: separators split the text, not the
+"""Prompt parsing (docs/rag.md) with the builtin:tiny tokenizer: separators split the text, not the
 tokens; token-id lists are used as given; chunks are checked and split; chat templates are cut
 where the documents go."""
 

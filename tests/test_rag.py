@@ -1,4 +1,4 @@
-"""RAG prompts against the one-pass reference (DESIGN §1): S, chunks C_1..C_n and Q, chunks at
+"""RAG prompts against the one-pass reference (docs/rag.md): S, chunks C_1..C_n and Q, chunks at
 shared positions after S and isolated from each other. Greedy tokens must equal HF's and the
 first step's logprobs must be within 1e-4 (float32), with the chunk cache cold, warm, reordered,
 evicting, deduplicating, salted, cleared or disabled; chunk hit/miss counts are exact."""

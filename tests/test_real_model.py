@@ -2,7 +2,7 @@
 against HF transformers loading the same file (`from_pretrained(gguf_file=...)`: transformers
 reads the config, dequantizes and un-permutes by its own code, an independent check of ours).
 Greedy tokens identical in float32 for a chat prompt and for a RAG prompt against the one-pass
-reference (DESIGN.md §1), with the chunk cache cold and warm."""
+reference (docs/rag.md), with the chunk cache cold and warm."""
 
 from __future__ import annotations
 

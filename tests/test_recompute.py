@@ -1,4 +1,4 @@
-"""Selective recompute (DESIGN §1, engine/recompute.py): reuse chunk KV in the sequential
+"""Selective recompute (ragkv/recompute/): reuse chunk KV in the sequential
 layout and recompute a chosen set of chunk tokens with full attention.
 
 The two ends of the curve are exact and checked against HF transformers in float32 (greedy

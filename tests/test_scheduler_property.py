@@ -7,7 +7,7 @@ standalone chunks) or selective recompute at r = 1 or r = 0, so entries are shar
 layouts, and re-positioned chunks and recomputed tokens meet every mechanism. Whatever the
 interleaving (chunked prefill, chunk jobs shared between requests, preemption and recompute,
 prefix-cache eviction, chunk-cache eviction), every request that
-finishes must give exactly the greedy tokens of the one-pass reference (DESIGN §1),
+finishes must give exactly the greedy tokens of the one-pass reference (docs/rag.md),
 `check_integrity()` must hold after every step, the engine must drain, and once idle every
 general slot and chunk pin must be back (and the chunk cache can be cleared to empty). Below
 it, a deterministic regression test: a workload, minimized, on which the scheduler before

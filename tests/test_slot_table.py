@@ -1,4 +1,4 @@
-"""The device mirror of every sequence's KV slot list (slot_table.py), and the int packing
+"""The device mirror of every sequence's KV slot list (model/slot_table.py), and the int packing
 its transfers and the chunk keys use (host_ints.py)."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from reference import extend_layout, layout_reference, reference_logits
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.structured import token_grammar
-from ragkv.structured.json_grammar import json_schema_grammar
+from ragkv.structured.json_schema import json_schema_grammar
 from ragkv.structured.params import StructuredOutputsParams
 from ragkv.structured.token_grammar import StructuredOutputs, TokenGrammar
 from ragkv.structured.vocabulary import TokenVocabulary, token_bytes

@@ -1,4 +1,4 @@
-"""The tokenizer cache (token_cache.py): a hit returns exactly what the tokenizer gives, with
+"""The tokenizer cache (inputs/token_cache.py): a hit returns exactly what the tokenizer gives, with
 and without special tokens; it stays within its bytes, least recently used out first; prompts
 parse to the same token lists through it; only system parts and documents go in."""
 

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 
 def add_bench_shape_args(parser, repeats: int = 5) -> None:
-    """The flags of the benchmark scripts' one RAG prompt shape (DESIGN §5: 64 + 4 x 512 + 32
+    """The flags of the benchmark scripts' one RAG prompt shape (64 + 4 x 512 + 32 by default
     on builtin:small) and how often each timing repeats."""
     parser.add_argument("--model", default="builtin:small")
     parser.add_argument("--system-tokens", type=int, default=64)

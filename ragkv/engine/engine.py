@@ -90,7 +90,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching,
                                    debug_checks=debug, num_layers=mc.num_layers)
-        # System parts and documents sent as text are tokenized once (token_cache.py).
+        # System parts and documents sent as text are tokenized once (inputs/token_cache.py).
         self.token_cache = (TokenCache(self.tokenizer, config.tokenizer_cache_mb << 20)
                             if config.tokenizer_cache_mb else None)
         # Grammars of structured outputs; the vocabulary's trie is built on first use.

@@ -86,7 +86,7 @@ class Request:
     recompute: RecomputeSpec | None = None
     selected: tuple[int, ...] | None = None
     num_recomputed: int = 0
-    # Penalties (sampling.py): how often each token has been generated, counted as tokens
+    # Penalties (sampling/penalties.py): how often each token has been generated, counted as tokens
     # are appended (None without penalties), and the prompt's distinct token ids on the
     # device for a repetition penalty, sent once.
     output_counts: Counter[int] | None = None

@@ -1,4 +1,4 @@
-"""Prompt inputs -> a `ChunkedPrompt` of token lists (DESIGN §2).
+"""Prompt inputs -> a `ChunkedPrompt` of token lists (docs/rag.md: prompt parsing).
 
 Accepted inputs:
 - a string; if it contains the chunk separator it reads `system ## chunk_1 ## ... ## question`.
@@ -13,7 +13,7 @@ The parts that recur across requests (system parts and chunks given as text, a c
 head and documents) are tokenized through the engine's `TokenCache` when it has one.
 A prompt's RAG options (None: the engine's default) choose its layout, `position_strategy` and
 `chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio` and
-`recompute_sink_tokens` (DESIGN §1; see `config.py`).
+`recompute_sink_tokens` (docs/rag.md; see `config.py`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class SamplingParams:
     # before this many tokens.
     min_tokens: int = 0
     # vLLM's: the output must be JSON following a schema, any JSON object, or one of a list
-    # of strings; each step may only sample tokens that keep it so (structured_output.py).
+    # of strings; each step may only sample tokens that keep it so (structured/token_grammar.py).
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

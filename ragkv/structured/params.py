@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .json_grammar import ByteGrammar, choice_grammar, json_object_grammar, json_schema_grammar
+from .json_grammar import ByteGrammar, choice_grammar, json_object_grammar
+from .json_schema import json_schema_grammar
 
 # Grammars kept per engine, by their request's key (schema text, choice list), and compiled
 # byte grammars kept per process.
