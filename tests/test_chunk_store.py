@@ -27,7 +27,7 @@ import types
 import pytest
 import torch
 from conftest import random_prompt
-from test_rag import GREEDY, MAX_TOKENS, make_llm, rag, run
+from test_rag import GREEDY, MAX_TOKENS, check_outputs, make_llm, plain, rag, run
 
 from ragkv import LLM
 from ragkv.cache.store import disk_tier, host_tier, redis_tier
@@ -824,6 +824,54 @@ def test_shared_tier_serves_a_later_engine(shared_tier, llama):
     assert second.get_chunk_cache_stats().store_hits == 3
     second.engine.close()
     second.check_integrity()
+
+
+def test_a_slow_store_read_never_blocks_the_other_requests(llama, tmp_path, monkeypatch):
+    """A shared tier's read runs off the engine thread: while it hangs, the request waiting
+    for the chunk holds its place and every other request is planned, computed and finished;
+    when the read lands, the waiting request gets the stored chunk (a store hit, no compute)
+    and the same tokens as the reference."""
+    path, hf = llama
+    spec = f"disk:{tmp_path / 'chunks'}:1MiB"
+    first = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
+    run(first, hf, [rag(S, [DOCS[0]], Q1)], ["M"])
+    first.engine.close()
+
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
+    disk = llm.engine.chunk_store.tiers[0]
+    reading, release = threading.Event(), threading.Event()
+    original = type(disk).get
+    stored = llm.engine.chunk_keys(rag(S, [DOCS[0]], Q2))[0]
+
+    def slow_get(self, key, expect):
+        if key == stored:  # the other chunk's read (a miss) goes through
+            reading.set()
+            assert release.wait(60), "the read was never released"
+        return original(self, key, expect)
+
+    monkeypatch.setattr(type(disk), "get", slow_get)
+    engine = llm.engine
+    engine.add_request(rag(S, [DOCS[0]], Q2), GREEDY, request_id="stored")
+    other = [rag(S, [DOCS[1]], Q1), plain(random_prompt(9, seed=730))]
+    for i, prompt in enumerate(other):
+        engine.add_request(prompt, GREEDY, request_id=f"other{i}")
+    done = {}
+    for _ in range(500):
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+        if {"other0", "other1"} <= set(done):
+            break
+    assert reading.is_set() and "stored" not in done and {"other0", "other1"} <= set(done)
+    assert engine.has_unfinished_requests()
+    release.set()
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    check_outputs(hf, [rag(S, [DOCS[0]], Q2), *other],
+                  [done["stored"], done["other0"], done["other1"]], llm)
+    assert done["stored"].metrics.num_chunk_hits == 1
+    stats = llm.get_chunk_cache_stats()
+    assert stats.store_hits == 1 and tier_stats(llm, "disk").loads == 1
+    llm.engine.close()
+    llm.check_integrity()
 
 
 def test_a_redis_hit_fills_the_disk_tier_before_it(llama, redis_server, tmp_path):

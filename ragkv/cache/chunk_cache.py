@@ -18,7 +18,10 @@ cannot starve running requests nor be starved by them. Rules:
 
 With a chunk store (store/tiered.py) behind it, a lookup that misses the pool asks the store's
 tiers and promotes a verified hit into the pool (a hit for the request); a completed entry is
-written through to the shared tiers, and an evicted one is demoted to the host tier.
+written through to the shared tiers, and an evicted one is demoted to the host tier. Reads of
+the shared tiers (disk, Redis) never block planning: the lookup starts one on the store's
+loader and answers `LOADING`; the request waits (holding its place) while other work goes
+on, and `poll_loads`, at the start of each step's planning, puts what arrived into the pool.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 from .chunk_key import ChunkKey
@@ -35,6 +39,12 @@ from .store.tier import TierStats
 from .store.tiered import TieredChunkStore
 
 logger = logging.getLogger("ragkv")
+
+# What a lookup answers while the chunk is being read from a shared tier of the store.
+LOADING = object()
+# Keys whose store read came back empty, kept (at most this many) until the next lookup of
+# the key, which then misses instead of reading again.
+_MAX_MISSED_LOADS = 4096
 
 
 class ChunkEntry:
@@ -111,15 +121,21 @@ class ChunkCache:
         self.store = store if allocator is not None else None
         self.pool = pool
         self.model = model
+        # Reads of the store's shared tiers in flight: key -> (chunk, its Future).
+        self._loads: dict[bytes, tuple[ChunkKey, Future]] = {}
+        self._missed: OrderedDict[bytes, None] = OrderedDict()
 
     @property
     def capacity(self) -> int:
         return self.allocator.capacity if self.allocator else 0
 
     def lookup(self, chunk: ChunkKey) -> ChunkEntry | None:
-        """Find the entry for this chunk (complete or being computed); counts a hit or miss."""
+        """Find the entry for this chunk (complete or being computed); counts a hit or miss.
+        `LOADING` (uncounted) while the store reads it: ask again on a later step."""
         start = time.perf_counter()
         entry = self.find_or_load(chunk)
+        if entry is LOADING:
+            return entry
         self.lookups += 1
         if entry is None:
             self.misses += 1
@@ -151,7 +167,7 @@ class ChunkCache:
 
     def find_or_load(self, chunk: ChunkKey) -> ChunkEntry | None:
         """`find`, else the chunk promoted from the store (evicted to a tier since the request
-        first looked it up); uncounted, like `find`."""
+        first looked it up), or `LOADING`; uncounted, like `find`."""
         entry = self.find(chunk)
         if entry is None and self.store is not None and chunk.key not in self._entries:
             entry = self._load(chunk)
@@ -228,14 +244,52 @@ class ChunkCache:
         return ChunkRecord(self.meta(entry.id), kv, ready)
 
     def _load(self, chunk: ChunkKey) -> ChunkEntry | None:
-        """Promote the chunk from the store into the pool: a complete, unpinned entry, or None
-        (not stored, or no room in the region)."""
+        """Promote the chunk from the store into the pool: a complete, unpinned entry, None
+        (not stored, or no room in the region), or `LOADING` while a shared tier reads it."""
+        if chunk.key in self._loads:
+            return LOADING
+        if chunk.key in self._missed:  # read since the last lookup, and not found
+            del self._missed[chunk.key]
+            return None
         if self.allocator is None or len(chunk) - self.allocator.num_free > self._lru_tokens:
             return None  # no room even after evicting every unused entry: do not read it
-        found = self.store.get(self.meta(chunk))
-        if found is None:
+        meta = self.meta(chunk)
+        found = self.store.get_local(meta)
+        if found is not None:
+            return self._promote(chunk, found[0].kv)
+        if not self.store.has_remote_tier:
             return None
-        entry = self.insert(chunk, found[0].kv)
+        self._loads[chunk.key] = (chunk, self.store.load(meta))
+        return LOADING
+
+    def poll_loads(self) -> None:
+        """Put the chunks whose store reads finished into the pool (complete and unpinned,
+        counted as store hits); a chunk not found is remembered for its next lookup."""
+        for key, (chunk, future) in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[key]
+            found = future.result()
+            if found is None or self._promote(chunk, found[0].kv) is None:
+                self._missed[key] = None
+                if len(self._missed) > _MAX_MISSED_LOADS:
+                    self._missed.popitem(last=False)
+
+    def wait_for_loads(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds) until a store read finishes, when nothing else
+        can run; whether any is in flight."""
+        if not self._loads:
+            return False
+        wait([f for _, f in self._loads.values()], timeout, return_when=FIRST_COMPLETED)
+        return True
+
+    def _forget_loads(self) -> None:
+        """Reads in flight land nowhere (a request still waiting for one reads again)."""
+        self._loads.clear()
+        self._missed.clear()
+
+    def _promote(self, chunk: ChunkKey, kv) -> ChunkEntry | None:
+        entry = self.insert(chunk, kv)
         if entry is not None:
             self.store_hits += 1
             self.store_hit_tokens += len(chunk)
@@ -255,6 +309,7 @@ class ChunkCache:
     def offload(self) -> list[tuple[ChunkEntry, ChunkRecord]]:
         """Every complete entry no request uses, least recently used first, with its KV
         copied to the host; they leave the pool (uncounted as evictions, not demoted)."""
+        self._forget_loads()
         out = []
         for entry in list(self._lru.values()):
             out.append((entry, self._record(entry)))
@@ -301,6 +356,7 @@ class ChunkCache:
         memory); returns how many pool entries were dropped. Shared tiers (disk, Redis) keep
         theirs: other replicas use them."""
         n = len(self._lru)
+        self._forget_loads()
         self.evict(self._lru_tokens, demote=False)
         if self.store is not None:
             self.store.clear_host()

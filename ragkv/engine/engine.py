@@ -39,6 +39,9 @@ from .scheduler import Scheduler
 
 logger = logging.getLogger("ragkv")
 
+# Longest an idle step waits for a chunk-store read (a request added meanwhile waits as long).
+_LOAD_WAIT_SECONDS = 0.05
+
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
@@ -163,6 +166,8 @@ class Engine:
         # siblings fail after it: one of them may compute a chunk another request of this
         # step reads.
         if sched.empty:
+            if self.chunk_cache is not None:  # nothing can run before a store read lands
+                self.chunk_cache.wait_for_loads(_LOAD_WAIT_SECONDS)
             return self.outputs.fail_parents(sched.failed)
         try:
             result = self.runner.execute(sched.works, sched.probes)

@@ -25,9 +25,10 @@ Rules that keep the bookkeeping consistent (`check_invariants` verifies them aft
 - everything a request took this step (works, progress, chunk entries it completes) is
   dropped together when it is preempted or fails, so a step never computes for a request that
   no longer holds its slots;
-- planning stops for a stated reason (no free slots, or a chunk another request computes); a
-  waiting request is admitted only when its whole plan for the step fits (or it waits for a
-  chunk another request computes), otherwise everything it took is rolled back;
+- planning stops for a stated reason (no free slots, a chunk another request computes, or a
+  chunk the store is reading: reads never block planning); a waiting request is admitted only
+  when its whole plan for the step fits (or it waits for such a chunk), otherwise everything
+  it took is rolled back;
 - an exception while planning one request fails that request alone.
 Everything here is plain integers and lists.
 """
@@ -39,7 +40,7 @@ import logging
 import time
 from collections import deque
 
-from ..cache.chunk_cache import ChunkCache
+from ..cache.chunk_cache import LOADING, ChunkCache
 from ..cache.kv_manager import KVCacheManager
 from ..recompute.planner import RecomputePlanner
 from .request import ChunkBinding, Request, RequestStatus
@@ -54,7 +55,12 @@ class _Stop(enum.Enum):
     DONE = "done"  # all its pending tokens are planned, or the budget is spent
     NO_SLOTS = "no_slots"  # the general region has no room, even after preempting
     CHUNK_WAIT = "chunk_wait"  # another request is computing a chunk it needs
+    LOADING = "loading"  # the chunk store is reading a chunk it needs
     FAILED = "failed"
+
+
+# Reasons a request holds its place without work this step: what it waits for arrives later.
+_WAITS = (_Stop.CHUNK_WAIT, _Stop.LOADING)
 
 
 class _Blocked(Exception):
@@ -85,6 +91,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.chunk_cache is not None:
+            self.chunk_cache.poll_loads()  # chunks read from the store since the last step
         budget = self.max_num_batched_tokens
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -112,7 +120,7 @@ class Scheduler:
             used, stop = self._plan(req, budget, out, may_preempt=False)
             if stop is _Stop.FAILED:
                 continue
-            if stop is _Stop.NO_SLOTS or (used == 0 and stop is not _Stop.CHUNK_WAIT):
+            if stop is _Stop.NO_SLOTS or (used == 0 and stop not in _WAITS):
                 # Its plan does not fit: roll back all of it and try again next step (taking
                 # part of its prompt now would only be preempted again).
                 out.discard(req)
@@ -120,7 +128,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             # Admitted: its plan fits, or it holds its place while another request computes
-            # a chunk it shares.
+            # a chunk it shares or the store reads one.
             self.waiting.popleft()
             metrics = req.metrics
             if metrics.first_scheduled_time is None:
@@ -206,8 +214,10 @@ class Scheduler:
         if cache is not None:
             chunk = req.chunk_keys[i]
             if not req.looked_up[i]:
-                req.looked_up[i] = True
                 entry = cache.lookup(chunk)
+                if entry is LOADING:
+                    raise _Blocked(_Stop.LOADING)  # counted when it arrives
+                req.looked_up[i] = True
                 if req.layout.chunk_deltas[i]:
                     cache.count_repositioned(len(chunk))
                 if entry is None:
@@ -217,6 +227,8 @@ class Scheduler:
                     req.metrics.num_chunk_cached_tokens += len(chunk)
             else:  # planned before (rolled back, or preempted): counted then
                 entry = cache.find_or_load(chunk)
+                if entry is LOADING:
+                    raise _Blocked(_Stop.LOADING)
             if entry is not None:
                 if not (entry.complete or entry in out.completing):
                     raise _Blocked(_Stop.CHUNK_WAIT)  # being computed: use it when done

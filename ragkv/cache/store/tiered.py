@@ -4,6 +4,10 @@
 The chunk cache asks it on a pool miss and promotes a hit into the pool; chunks the engine
 computes are written through to the shared tiers (disk, Redis) off the engine thread; chunks
 evicted from the pool are demoted to the host tier. Tiers keep the rules of tier.py.
+
+Reads never block the engine thread on I/O: the tiers up to the first shared one (host memory)
+are read in place (`get_local`), the rest on a loader thread (`load`), whose result the chunk
+cache collects on a later step.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import queue
 import threading
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ...config import parse_chunk_store
 from .disk_tier import DiskChunkStore
@@ -23,6 +28,9 @@ from .tier import ChunkStore, TierStats, guarded
 
 logger = logging.getLogger("ragkv")
 
+# Threads reading the shared tiers for the chunk cache (each read is one disk file or one
+# Redis GET: I/O that releases the interpreter).
+LOADER_THREADS = 4
 # Writes waiting for the writer thread, at most this many and this many bytes; beyond
 # either, new writes are dropped (and counted) rather than holding unbounded host memory
 # while a slow backend catches up.
@@ -52,6 +60,10 @@ class TieredChunkStore:
         if not tiers:
             raise ValueError("chunk_store: no tier given")
         self.tiers = tiers
+        # Tiers read in place (host memory, before any shared tier) and on the loader.
+        first_shared = next((i for i, t in enumerate(tiers) if t.shared), len(tiers))
+        self._local, self._remote = tiers[:first_shared], tiers[first_shared:]
+        self._loader: ThreadPoolExecutor | None = None
         self._writes = _WriteQueue()
         # The writer is a daemon thread: a script that ends without close() would lose the
         # writes still queued, so they are flushed at exit (daemon threads still run then);
@@ -77,7 +89,29 @@ class TieredChunkStore:
         """The first intact record for `expect` and the name of the tier that held it; a
         damaged or foreign entry is counted, logged, deleted, and the next tier asked. Shared
         tiers before the one that hit get a copy (a disk tier fills from Redis)."""
-        for i, tier in enumerate(self.tiers):
+        return self._get(self.tiers, expect)
+
+    def get_local(self, expect: ChunkMeta) -> tuple[ChunkRecord, str] | None:
+        """`get` over the tiers read in place: those before the first shared one (memory)."""
+        return self._get(self._local, expect) if self._local else None
+
+    @property
+    def has_remote_tier(self) -> bool:
+        """Whether some tiers are read on the loader thread (`load`)."""
+        return bool(self._remote)
+
+    def load(self, expect: ChunkMeta) -> Future:
+        """`get` over the other tiers on the loader thread: a Future of its result (never an
+        exception: a failing tier is a miss). Called from the engine thread only."""
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(LOADER_THREADS,
+                                              thread_name_prefix="ragkv-chunk-load")
+        return self._loader.submit(self._get, self._remote, expect)
+
+    def _get(self, tiers: list[ChunkStore],
+             expect: ChunkMeta) -> tuple[ChunkRecord, str] | None:
+        for tier in tiers:
+            i = self.tiers.index(tier)
             try:
                 record = tier.get(expect.key, expect)
             except CorruptChunkError as e:
@@ -154,6 +188,9 @@ class TieredChunkStore:
         self._writes.join()
 
     def close(self) -> None:
+        loader, self._loader = self._loader, None
+        if loader is not None:  # a load's result would have nowhere to go
+            loader.shutdown(wait=True, cancel_futures=True)
         self.flush()
         # The writer thread ends here, not while the interpreter shuts down: a daemon thread
         # woken during finalization (by the store's finalizer) can abort the process
