@@ -874,6 +874,48 @@ def test_a_slow_store_read_never_blocks_the_other_requests(llama, tmp_path, monk
     llm.check_integrity()
 
 
+def test_a_request_reads_its_stored_chunks_at_once(llama, tmp_path, monkeypatch):
+    """A request missing several chunks in the pool asks the shared tier for all of them when
+    it first waits, so the reads overlap (each read here waits for the others to start: one
+    at a time, none would finish); each is then promoted and counted once, at its lookup."""
+    path, hf = llama
+    spec = f"disk:{tmp_path / 'chunks'}:1MiB"
+    first = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
+    run(first, hf, [rag(S, DOCS[:3], Q1)], ["MMM"])
+    first.engine.close()
+
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
+    disk = llm.engine.chunk_store.tiers[0]
+    together = threading.Barrier(3, timeout=30)
+    original = type(disk).get
+
+    def get_together(self, key, expect):
+        together.wait()
+        return original(self, key, expect)
+
+    monkeypatch.setattr(type(disk), "get", get_together)
+    run(llm, hf, [rag(S, DOCS[:3][::-1], Q2)], ["HHH"])
+    stats = llm.get_chunk_cache_stats()
+    assert (stats.lookups, stats.hits, stats.store_hits) == (3, 3, 3)
+    assert tier_stats(llm, "disk").loads == 3
+    llm.engine.close()
+
+
+def test_a_read_cancelled_by_close_is_a_miss(llama, tmp_path, monkeypatch):
+    """A store read that ends without a result (cancelled when the store closes) is a miss
+    for the request that waited for it, never an error of the step."""
+    from concurrent.futures import Future
+
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_store=f"disk:{tmp_path / 'c'}:1MiB")
+    cancelled = Future()
+    cancelled.cancel()
+    monkeypatch.setattr(llm.engine.chunk_store, "load", lambda meta: cancelled)
+    run(llm, hf, [rag(S, [DOCS[0]], Q1)], ["M"])
+    assert llm.get_chunk_cache_stats().store_hits == 0
+    llm.engine.close()
+
+
 def test_a_redis_hit_fills_the_disk_tier_before_it(llama, redis_server, tmp_path):
     path, hf = llama
     A, B, C = DOCS[:3]

@@ -26,8 +26,8 @@ from reference import causal_layout, rag_layout, reference_greedy
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.model import file_digest as file_digest_module
 from ragkv.model import loader
-from ragkv.model.gguf_checkpoint import SUPPORTED_GGUF_ARCHITECTURES
-from ragkv.model.gguf_quants import SUPPORTED_TENSOR_TYPES, dequantize
+from ragkv.model.gguf.quants import SUPPORTED_TENSOR_TYPES, dequantize
+from ragkv.model.gguf.reader import SUPPORTED_GGUF_ARCHITECTURES
 from ragkv.model.layers import rope_inv_freq
 from ragkv.model.loader import inspect_checkpoint, load_tokenizer
 
@@ -364,7 +364,7 @@ def test_llama3_rope_recovered_from_llama_cpp_divisors(head_dim):
     """Llama 3.1's RoPE (many blended frequencies), stored as llama.cpp's divisors, comes back
     as parameters giving the same frequencies; divisors that no Llama 3 scaling produces are
     refused."""
-    from ragkv.model.gguf_checkpoint import _llama3_rope
+    from ragkv.model.gguf.reader import _llama3_rope
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -20,8 +20,9 @@ With a chunk store (store/tiered.py) behind it, a lookup that misses the pool as
 tiers and promotes a verified hit into the pool (a hit for the request); a completed entry is
 written through to the shared tiers, and an evicted one is demoted to the host tier. Reads of
 the shared tiers (disk, Redis) never block planning: the lookup starts one on the store's
-loader and answers `LOADING`; the request waits (holding its place) while other work goes
-on, and `poll_loads`, at the start of each step's planning, puts what arrived into the pool.
+loader (and `prefetch` the request's other chunks) and answers `LOADING`; the request waits,
+holding its place, while other work goes on. `poll_loads`, at the start of each step's
+planning, collects what arrived; the request's next lookup promotes it into the pool.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ logger = logging.getLogger("ragkv")
 
 # What a lookup answers while the chunk is being read from a shared tier of the store.
 LOADING = object()
-# Keys whose store read came back empty, kept (at most this many) until the next lookup of
-# the key, which then misses instead of reading again.
-_MAX_MISSED_LOADS = 4096
+# A read that landed waits for its request's next lookup (normally in the next planning) for
+# at most this many plannings, and at most this many at once: what a request aborted
+# meanwhile read is dropped, not kept, and a read that found nothing is not trusted later.
+_ARRIVED_POLLS = 4
+_MAX_ARRIVED = 64
 
 
 class ChunkEntry:
@@ -121,9 +124,12 @@ class ChunkCache:
         self.store = store if allocator is not None else None
         self.pool = pool
         self.model = model
-        # Reads of the store's shared tiers in flight: key -> (chunk, its Future).
+        # Reads of the store's shared tiers in flight (key -> the chunk, its Future), and
+        # those that landed (key -> the chunk, its record or None, the poll they landed at).
         self._loads: dict[bytes, tuple[ChunkKey, Future]] = {}
-        self._missed: OrderedDict[bytes, None] = OrderedDict()
+        self._arrived: OrderedDict[bytes, tuple[ChunkKey, ChunkRecord | None, int]] = (
+            OrderedDict())
+        self._polls = 0
 
     @property
     def capacity(self) -> int:
@@ -246,12 +252,15 @@ class ChunkCache:
     def _load(self, chunk: ChunkKey) -> ChunkEntry | None:
         """Promote the chunk from the store into the pool: a complete, unpinned entry, None
         (not stored, or no room in the region), or `LOADING` while a shared tier reads it."""
+        arrived = self._arrived.pop(chunk.key, None)
+        if arrived is not None:
+            read_for, record, _ = arrived
+            if record is None or read_for != chunk:  # not stored (or another chunk's key)
+                return None
+            return self._promote(chunk, record.kv)
         if chunk.key in self._loads:
             return LOADING
-        if chunk.key in self._missed:  # read since the last lookup, and not found
-            del self._missed[chunk.key]
-            return None
-        if self.allocator is None or len(chunk) - self.allocator.num_free > self._lru_tokens:
+        if not self._has_room(chunk):
             return None  # no room even after evicting every unused entry: do not read it
         meta = self.meta(chunk)
         found = self.store.get_local(meta)
@@ -262,18 +271,45 @@ class ChunkCache:
         self._loads[chunk.key] = (chunk, self.store.load(meta))
         return LOADING
 
+    def prefetch(self, chunks: list[ChunkKey]) -> None:
+        """Ask the store for those `chunks` that are neither in the pool nor asked already,
+        and would fit: a request waiting for one of its chunks asks for the others at once,
+        so that their shared tiers' reads overlap instead of taking a step each. The tiers
+        are read as a lookup reads them (in place first, then on the loader), so each counts
+        what it would have; the records wait for the request's lookups, which count them."""
+        if self.store is None or not self.store.has_remote_tier:
+            return
+        for chunk in chunks:
+            key = chunk.key
+            if (key in self._entries or key in self._loads or key in self._arrived
+                    or not self._has_room(chunk)):
+                continue
+            meta = self.meta(chunk)
+            found = self.store.get_local(meta)
+            if found is not None:
+                self._arrived[key] = (chunk, found[0], self._polls)
+            else:
+                self._loads[key] = (chunk, self.store.load(meta))
+
     def poll_loads(self) -> None:
-        """Put the chunks whose store reads finished into the pool (complete and unpinned,
-        counted as store hits); a chunk not found is remembered for its next lookup."""
+        """Collect the store reads that finished, for their requests' next lookups (a read
+        cancelled or failed counts as not found); drop those left unclaimed too long."""
+        self._polls += 1
         for key, (chunk, future) in list(self._loads.items()):
             if not future.done():
                 continue
             del self._loads[key]
-            found = future.result()
-            if found is None or self._promote(chunk, found[0].kv) is None:
-                self._missed[key] = None
-                if len(self._missed) > _MAX_MISSED_LOADS:
-                    self._missed.popitem(last=False)
+            try:
+                found = future.result()
+            except BaseException as e:  # noqa: BLE001 (cancelled by close(): a miss)
+                logger.warning("chunk store: a read of %s ended without a result (%s)",
+                               chunk.hex[:16], type(e).__name__)
+                found = None
+            self._arrived[key] = (chunk, None if found is None else found[0], self._polls)
+        oldest = self._polls - _ARRIVED_POLLS
+        while self._arrived and (len(self._arrived) > _MAX_ARRIVED
+                                 or next(iter(self._arrived.values()))[2] <= oldest):
+            self._arrived.popitem(last=False)
 
     def wait_for_loads(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds) until a store read finishes, when nothing else
@@ -283,10 +319,15 @@ class ChunkCache:
         wait([f for _, f in self._loads.values()], timeout, return_when=FIRST_COMPLETED)
         return True
 
+    def _has_room(self, chunk: ChunkKey) -> bool:
+        return (self.allocator is not None
+                and len(chunk) - self.allocator.num_free <= self._lru_tokens)
+
     def _forget_loads(self) -> None:
-        """Reads in flight land nowhere (a request still waiting for one reads again)."""
+        """Reads in flight or landed count for nothing (a request still waiting reads
+        again)."""
         self._loads.clear()
-        self._missed.clear()
+        self._arrived.clear()
 
     def _promote(self, chunk: ChunkKey, kv) -> ChunkEntry | None:
         entry = self.insert(chunk, kv)
@@ -301,7 +342,11 @@ class ChunkCache:
         entry = self.reserve(chunk)
         if entry is None:
             return None
-        self.pool.write(entry.slots, kv)
+        try:
+            self.pool.write(entry.slots, kv)
+        except BaseException:
+            self.abandon(entry)  # never left reserved without an owner
+            raise
         entry.complete = True
         self.unpin(entry)
         return entry

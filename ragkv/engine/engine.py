@@ -7,7 +7,9 @@ outputs.
 - execute (model/runner.py): the model over the works, then the probes;
 - update (scheduler.py): computed counts, finished chunks, the recompute choice;
 - outputs (output_processor.py): sampling, stop rules, detokenization, `RequestOutput`s.
-Nothing flows back up: a stage's results reach the next one as arguments.
+A stage's results reach the next one as arguments: no stage hands work or decisions back to an
+earlier one. (Resources do go back the other way through small callbacks: a finished request's
+slots to the caches, its slot-table row to the runner.)
 """
 
 from __future__ import annotations
@@ -75,24 +77,6 @@ class Engine:
                                            self.dtype)
         size = size_pool(config, per_token, self.device, max_len)
         self.max_model_len = size.max_model_len
-        self.pool = KVPool(mc.num_layers, size.num_slots, mc.num_kv_heads, mc.head_dim,
-                           self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.pool, config, self.max_model_len)
-        self.kv = KVCacheManager(SlotAllocator(1, size.general_end),
-                                 config.enable_prefix_caching, on_release=self.runner.release)
-        self.chunk_store = build_chunk_store(config.chunk_store,
-                                             pin_memory=self.device.type == "cuda")
-        self.chunk_cache = keys = None
-        if config.enable_chunk_cache:
-            self.chunk_cache = ChunkCache(SlotAllocator(size.general_end, size.num_slots),
-                                          self.chunk_store, self.pool, checkpoint.fingerprint)
-            keys = ChunkKeys(checkpoint.fingerprint, self.dtype, config.chunk_hash_algo)
-        # Chunks offloaded by sleep(), restored into the pool by wake_up().
-        self._asleep: list | None = None
-        debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
-        self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching,
-                                   debug_checks=debug, num_layers=mc.num_layers)
         # System parts and documents sent as text are tokenized once (inputs/token_cache.py).
         self.token_cache = (TokenCache(self.tokenizer, config.tokenizer_cache_mb << 20)
                             if config.tokenizer_cache_mb else None)
@@ -100,9 +84,29 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.eos_token_ids = frozenset(set(checkpoint.eos_token_ids)
                                        | {self.tokenizer.eos_token_id} - {None})
+        keys = (ChunkKeys(checkpoint.fingerprint, self.dtype, config.chunk_hash_algo)
+                if config.enable_chunk_cache else None)
+        # Built before the pool and the runner: it refuses settings the model cannot serve.
         self.inputs = InputProcessor(config, mc, self.tokenizer, self.max_model_len,
                                      self.eos_token_ids, self.model.rotary.dynamic, keys,
                                      self.token_cache, self.structured)
+        self.pool = KVPool(mc.num_layers, size.num_slots, mc.num_kv_heads, mc.head_dim,
+                           self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.pool, config, self.max_model_len)
+        self.kv = KVCacheManager(SlotAllocator(1, size.general_end),
+                                 config.enable_prefix_caching, on_release=self.runner.release)
+        self.chunk_store = build_chunk_store(config.chunk_store,
+                                             pin_memory=self.device.type == "cuda")
+        self.chunk_cache = None
+        if config.enable_chunk_cache:
+            self.chunk_cache = ChunkCache(SlotAllocator(size.general_end, size.num_slots),
+                                          self.chunk_store, self.pool, checkpoint.fingerprint)
+        # Chunks offloaded by sleep(), restored into the pool by wake_up().
+        self._asleep: list | None = None
+        debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
+        self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.enable_prefix_caching,
+                                   debug_checks=debug, num_layers=mc.num_layers)
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len,
                                        self.device)
 

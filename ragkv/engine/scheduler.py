@@ -216,6 +216,7 @@ class Scheduler:
             if not req.looked_up[i]:
                 entry = cache.lookup(chunk)
                 if entry is LOADING:
+                    cache.prefetch(req.chunk_keys[i + 1:])  # its other reads overlap
                     raise _Blocked(_Stop.LOADING)  # counted when it arrives
                 req.looked_up[i] = True
                 if req.layout.chunk_deltas[i]:

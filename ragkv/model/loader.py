@@ -1,5 +1,5 @@
 """Load a local checkpoint: an HF directory (config.json, one or sharded *.safetensors, the
-tokenizer, the EOS ids of generation_config.json), a GGUF file (gguf_checkpoint.py), or a
+tokenizer, the EOS ids of generation_config.json), a GGUF file (gguf/reader.py), or a
 registered model name. Nothing is downloaded."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from .file_digest import file_digest
-from .gguf_checkpoint import GGUFFile, find_gguf_file, gguf_weights, load_gguf_tokenizer, read_gguf
+from .gguf.reader import GGUFFile, find_gguf_file, gguf_weights, load_gguf_tokenizer, read_gguf
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import urllib.parse
 
@@ -56,6 +57,9 @@ class RedisChunkStore(ChunkStore):
         self.available = True
         self._down_until = 0.0
         self._failures = 0  # consecutive failed calls: the retry interval doubles with each
+        # Calls come from the engine, the writer and the loader threads: the outage state
+        # changes under a lock (the network call itself runs outside it).
+        self._state = threading.Lock()
 
     def _call(self, method: str, *args, **kwargs):
         """The client's answer, or None while the tier is down (errors counted, logged once
@@ -67,26 +71,31 @@ class RedisChunkStore(ChunkStore):
         except self._refusal_type as e:
             self._count(errors=1)
             kind = str(e).split(" ", 1)[0]
-            if kind not in self._refusals_logged:
+            with self._state:
+                first = kind not in self._refusals_logged
                 self._refusals_logged.add(kind)
+            if first:
                 logger.warning("chunk store: Redis at %s refused %s (%s); the chunk stays "
                                "local", self.url, method.upper(), e)
             return None
         except self._error_types as e:
             self._count(errors=1)
-            if self.available:
+            with self._state:
+                was_up, self.available = self.available, False
+                self._failures += 1
+                pause = min(self.retry_seconds * 2 ** (self._failures - 1),
+                            self.MAX_RETRY_SECONDS)
+                self._down_until = time.monotonic() + pause
+            if was_up:
                 logger.warning("chunk store: Redis at %s unavailable (%s); computing chunks "
                                "locally, retrying every %.0f s", self.url, e,
                                self.retry_seconds)
-            self.available = False
-            self._failures += 1
-            pause = min(self.retry_seconds * 2 ** (self._failures - 1), self.MAX_RETRY_SECONDS)
-            self._down_until = time.monotonic() + pause
             return None
-        if not self.available:
+        with self._state:
+            was_down, self.available = not self.available, True
+            self._failures = 0
+        if was_down:
             logger.warning("chunk store: Redis at %s is back", self.url)
-            self.available = True
-        self._failures = 0
         return result
 
     def _resting(self) -> bool:

@@ -5,9 +5,9 @@ The chunk cache asks it on a pool miss and promotes a hit into the pool; chunks 
 computes are written through to the shared tiers (disk, Redis) off the engine thread; chunks
 evicted from the pool are demoted to the host tier. Tiers keep the rules of tier.py.
 
-Reads never block the engine thread on I/O: the tiers up to the first shared one (host memory)
-are read in place (`get_local`), the rest on a loader thread (`load`), whose result the chunk
-cache collects on a later step.
+Reads never block the engine thread on I/O: the tiers that are not shared (host memory) are
+read in place and first (`get_local`), the shared ones on loader threads (`load`), whose
+results the chunk cache collects on a later step.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ class TieredChunkStore:
         if not tiers:
             raise ValueError("chunk_store: no tier given")
         self.tiers = tiers
-        # Tiers read in place (host memory, before any shared tier) and on the loader.
-        first_shared = next((i for i, t in enumerate(tiers) if t.shared), len(tiers))
-        self._local, self._remote = tiers[:first_shared], tiers[first_shared:]
+        # Tiers read in place (host memory) and on the loader threads, each in their order.
+        self._local = [t for t in tiers if not t.shared]
+        self._remote = [t for t in tiers if t.shared]
         self._loader: ThreadPoolExecutor | None = None
         self._writes = _WriteQueue()
         # The writer is a daemon thread: a script that ends without close() would lose the
@@ -92,7 +92,7 @@ class TieredChunkStore:
         return self._get(self.tiers, expect)
 
     def get_local(self, expect: ChunkMeta) -> tuple[ChunkRecord, str] | None:
-        """`get` over the tiers read in place: those before the first shared one (memory)."""
+        """`get` over the tiers read in place: those that are not shared (memory)."""
         return self._get(self._local, expect) if self._local else None
 
     @property
@@ -101,8 +101,9 @@ class TieredChunkStore:
         return bool(self._remote)
 
     def load(self, expect: ChunkMeta) -> Future:
-        """`get` over the other tiers on the loader thread: a Future of its result (never an
-        exception: a failing tier is a miss). Called from the engine thread only."""
+        """`get` over the shared tiers on the loader threads: a Future of its result (a failing
+        tier is a miss; the Future is cancelled by `close`). Called from the engine thread
+        only."""
         if self._loader is None:
             self._loader = ThreadPoolExecutor(LOADER_THREADS,
                                               thread_name_prefix="ragkv-chunk-load")

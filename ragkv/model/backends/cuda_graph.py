@@ -218,7 +218,7 @@ class DecodeGraphs(_StepGraphs):
         host = int64_tensor(
             [w.token_ids[0] for w in works] + [0] * pad
             + [w.positions[0] for w in works] + [0] * pad
-            + [w.request.kv.row for w in works] + [PAD_ROW] * pad
+            + [w.kv.row for w in works] + [PAD_ROW] * pad
             + [w.kv_spans[0][1] for w in works] + [1] * pad
             + [len(w.turns) for w in works] + [0] * pad)
         self.inputs[:, :size].copy_(host.view(5, size), non_blocking=True)
@@ -333,7 +333,7 @@ class ExtendGraphs(_StepGraphs):
         w = works[0]
         n = len(w.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        index = self.slot_table.entries(w.request.kv.row, w.kv_spans)
+        index = self.slot_table.entries(w.kv.row, w.kv_spans)
         self._fill(index, w.token_ids, w.positions, size)
         turning = bool(w.turns)
         if turning:

@@ -7,7 +7,7 @@ float32 under the HF names `CausalLM.weight_targets()` uses, with llama.cpp's re
 Q/K rows undone, so the ordinary loader copies them into the fused destinations.
 
 The `gguf` package (llama.cpp's reader) is optional and imported only here, when a GGUF file is
-actually opened; the dequantizers are ragkv's own (gguf_quants.py).
+actually opened; the dequantizers are ragkv's own (quants.py).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from .file_digest import cache_root, file_digest
-from .gguf_quants import SUPPORTED_TENSOR_TYPES, dequantize, supported_type_names, tensor_nbytes
-from .layers import rope_inv_freq
-from .model_config import ModelConfig
+from ..file_digest import cache_root, file_digest
+from ..layers import rope_inv_freq
+from ..model_config import ModelConfig
+from .quants import SUPPORTED_TENSOR_TYPES, dequantize, supported_type_names, tensor_nbytes
 
 # GGUF general.architecture -> (HF architecture, whether llama.cpp's converter permuted the rows
 # of Q and K). The converter reorders Llama/Mistral Q/K rows from HF's rotate-half layout to the
