@@ -77,8 +77,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: None = field(default=None)
     # Set when serving the request failed (its completions end with finish_reason "error");
-    # the message says why. Other requests are not affected.
+    # the message says why. Other requests are not affected. `bad_request`: the request's own
+    # input caused it (a structured-output schema over the grammar budget), a client error.
     error: str | None = None
+    bad_request: bool = False
     # With `Engine.add_request(..., score_tokens=m)`: log-probabilities [m, vocab] (float32,
     # CPU) of the token after each of the last m prompt tokens; row m-1 is the distribution
     # the first generated token was drawn from.

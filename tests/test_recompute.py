@@ -480,3 +480,36 @@ def test_one_layer_model_loads_with_recompute_off(tmp_path):
                                       recompute_ratio=0.5)], GREEDY, use_tqdm=False)[0]
         assert out.metrics.num_recomputed_tokens == 1
     llm.check_integrity()
+
+
+def test_a_probe_in_blocks_scores_as_one_pass(llama, monkeypatch):
+    """The probe's memory stays within the step budget: a `blend` probe takes the chunk tokens
+    through the layers a block at a time, and attention of any probe runs in row blocks
+    (here blocks of 3 tokens and of one row): the scores equal the one-pass ones."""
+    import dataclasses
+
+    from ragkv.recompute import probe as probe_module
+
+    path, _ = llama
+    llm = make_llm(path, kv_cache_tokens=1024)
+    original = probe_module.ProbeWork.run
+    runs = []
+
+    def both_ways(work, model, pool):
+        whole = original(work, model, pool)
+        with monkeypatch.context() as m:
+            m.setattr(probe_module, "_BLOCK_ELEMENTS", 1)
+            blocked = original(dataclasses.replace(work, block_tokens=3), model, pool)
+        runs.append((work.kind, whole, blocked))
+        return whole
+
+    monkeypatch.setattr(probe_module.ProbeWork, "run", both_ways)
+    S = random_prompt(7, seed=130)
+    A, B = random_prompt(17, seed=131), random_prompt(11, seed=132)
+    for method in ("blend", "query", "sink+blend"):
+        llm.generate([rc(S, [A, B], random_prompt(5, seed=133), method, 0.3)], GREEDY,
+                     use_tqdm=False)
+    assert {kind for kind, _, _ in runs} == {"blend", "query"}
+    for _, whole, blocked in runs:
+        assert torch.allclose(whole, blocked, rtol=1e-5, atol=1e-7)
+    llm.check_integrity()

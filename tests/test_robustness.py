@@ -156,6 +156,53 @@ def test_failed_model_step_fails_its_requests_and_leaves_the_rest_consistent(llm
     llm.check_integrity()
 
 
+def test_failure_while_updating_one_request_fails_only_it(llm, monkeypatch):
+    """An exception while the scheduler commits one request's step (here injected into the
+    prefix cache's insert for one prompt) fails that request alone; the others in the same
+    steps give their solo tokens."""
+    prompts = {"a": rag("Which is denser?"), "b": {"prompt_token_ids": [5, 6, 7, 8, 9]}}
+    want = {rid: solo(llm, p) for rid, p in prompts.items()}
+    kv = llm.engine.kv
+    original = type(kv).cache
+
+    def cache(self, seq, tokens):
+        if list(tokens[:3]) == [11, 12, 13]:
+            raise RuntimeError("injected update fault")
+        return original(self, seq, tokens)
+
+    monkeypatch.setattr(type(kv), "cache", cache)
+    engine = llm.engine
+    for rid, prompt in prompts.items():
+        engine.add_request(prompt, GREEDY, request_id=rid)
+    engine.add_request({"prompt_token_ids": [11, 12, 13, 14]},
+                       SamplingParams(max_tokens=6, n=2, temperature=0), request_id="bad")
+    outs = drain(engine)
+    assert outs["bad"].finished and "injected update fault" in outs["bad"].error
+    assert [c.finish_reason for c in outs["bad"].outputs] == ["error", "error"]
+    for rid in prompts:
+        assert outs[rid].error is None and outs[rid].outputs[0].token_ids == want[rid]
+    llm.check_integrity()
+
+
+def test_a_corrupt_state_stops_the_engine_loudly():
+    """With debug checks on, a scheduler state that breaks its rules (a running request's KV
+    list shorter than the tokens it has computed) raises InvariantViolation out of step():
+    no request is at fault and the engine must not serve from it."""
+    from ragkv.engine.scheduler import InvariantViolation
+
+    llm = LLM("builtin:tiny", kv_cache_tokens=1024, max_model_len=256, debug_checks=True)
+    engine = llm.engine
+    for rid in ("x", "y"):
+        engine.add_request({"prompt_token_ids": [20 + len(rid), 30, 40]},
+                           SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           request_id=rid)
+    engine.step()
+    _, y = engine.scheduler.running
+    y.kv.slots.pop(0)  # behind SeqKV's back: a computed token without its slot
+    with pytest.raises(InvariantViolation, match="malformed work"):
+        engine.step()
+
+
 # ------------------------------------------------------------------------ defect 2: caps on n
 
 def test_n_is_bounded_by_max_n(llm):
@@ -217,6 +264,44 @@ def test_cancelled_submit_and_call_do_not_kill_the_engine_thread(async_engine):
     last = _run(scenario())
     assert last.finished and len(last.outputs[0].token_ids) == 6
     assert ae.alive and not ae.engine.has_request("cancelled")
+
+
+def test_an_inconsistent_engine_stops_serving_loudly(monkeypatch):
+    """An InvariantViolation (the engine's bookkeeping found inconsistent) is no request's
+    fault and not passing: the loop stops, the request in flight ends with EngineDeadError
+    naming it, later requests are refused (a server answers 503 and exits non-zero through
+    `on_fatal`), instead of a reset that serves on from a corrupt state."""
+    from ragkv.engine.scheduler import InvariantViolation
+    from ragkv.server.async_engine import EngineDeadError
+
+    llm = LLM("builtin:tiny", kv_cache_tokens=1024, max_model_len=256)
+    fatal = []
+    ae = AsyncEngine(llm.engine, on_fatal=fatal.append)
+    steps = {"n": 0}
+    step = llm.engine.step
+
+    def failing_step(include_unfinished=False):
+        steps["n"] += 1
+        if steps["n"] == 3:
+            raise InvariantViolation("scheduler: slot 7 written twice in one step")
+        return step(include_unfinished)
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    ae.start()
+
+    async def scenario():
+        outputs = await ae.submit("A long story:", SamplingParams(max_tokens=50,
+                                                                   ignore_eos=True), "long")
+        with pytest.raises(EngineDeadError, match="inconsistent.*written twice"):
+            async for _ in outputs:
+                pass
+
+    _run(scenario())
+    ae._thread.join(10)
+    assert not ae.alive and isinstance(ae.fatal, InvariantViolation) and fatal == [ae.fatal]
+    with pytest.raises(EngineDeadError):
+        _run(ae.submit("again", GREEDY))
+    ae.stop()
 
 
 def test_aborted_request_ends_its_stream(async_engine):

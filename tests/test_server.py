@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 import threading
@@ -637,3 +638,42 @@ def test_integrity_gate_runs_few_walks_for_many_callers():
     reports = asyncio.run(main())
     assert len(reports) == 40 and all(r["ok"] for r in reports)
     assert CountingEngine.walks <= 2
+
+
+# anyOf of two array schemas of itself: each "[" doubles the alternatives of a state.
+AMBIGUOUS_SCHEMA = {"anyOf": [{"type": "array", "items": {"$ref": "#"}},
+                              {"type": "array", "items": {"$ref": "#"}, "maxItems": 3}]}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_over_the_grammar_budget_is_a_400_and_stalls_nobody(server, offline, stream):
+    """A schema whose automaton outgrows its budget once generation nests it (pushed there by
+    logit_bias) fails its request alone, as a client error (400, streamed as an error
+    event); a request sent beside it gets exactly the offline engine's tokens."""
+    bracket = offline.get_tokenizer().encode("[", add_special_tokens=False)
+    assert len(bracket) == 1
+    body = {"model": MODEL, "prompt": "JSON:", "max_tokens": 40, "stream": stream,
+            "logit_bias": {str(bracket[0]): 100},
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "x", "schema": AMBIGUOUS_SCHEMA}}}
+    plain = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    want = offline.generate("Once upon a time", SamplingParams(max_tokens=8, temperature=0),
+                            use_tqdm=False)[0].outputs[0].text
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with (httpx.Client(base_url=server, headers=headers, timeout=120) as http,
+          concurrent.futures.ThreadPoolExecutor(2) as pool):
+        bad = pool.submit(http.post, "/v1/completions", json=body)
+        good = pool.submit(http.post, "/v1/completions", json=plain)
+        bad, good = bad.result(), good.result()
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == want
+    if stream:
+        events = [json.loads(line[6:]) for line in bad.text.splitlines()
+                  if line.startswith("data: {")]
+        errors = [e["error"] for e in events if "error" in e]
+        assert bad.status_code == 200 and errors and errors[0]["code"] == 400
+        assert "alternatives" in errors[0]["message"]
+    else:
+        assert bad.status_code == 400, bad.text
+        error = bad.json()["error"]
+        assert error["type"] == "invalid_request_error" and "alternatives" in error["message"]
+    assert wait_idle(server)["ok"]

@@ -354,3 +354,84 @@ def test_grammars_are_shared_and_bounded(llm):
     assert b.state == b.grammar.initial
     with pytest.raises(ValueError, match="does not follow"):
         b.advance(engine.tokenizer.encode("x", add_special_tokens=False)[0])
+
+
+# ---------------------------------------------------- bounded work: one request cannot stall
+
+
+def _diamond(levels: int) -> dict:
+    """Each level an anyOf of two $refs to the next: 2**levels paths to the last one."""
+    defs = {f"n{i}": {"anyOf": [{"$ref": f"#/$defs/n{i + 1}"}] * 2} for i in range(levels)}
+    defs[f"n{levels}"] = {"type": "string", "maxLength": 4}
+    return {"$ref": "#/$defs/n0", "$defs": defs}
+
+
+# anyOf of two array schemas of itself: every "[" doubles the alternatives of the state.
+AMBIGUOUS = {"anyOf": [{"type": "array", "items": {"$ref": "#"}},
+                       {"type": "array", "items": {"$ref": "#"}, "maxItems": 3}]}
+
+
+def test_a_diamond_of_refs_is_expanded_once(monkeypatch):
+    """A $ref shared by many anyOf branches is expanded once per node, not once per path: a
+    diamond of 22 levels (4 million paths, minutes per byte before) starts a value in a
+    handful of expansions, and a chain of 280 refs compiles (its check is one pass)."""
+    from ragkv.structured import json_grammar
+
+    g = json_schema_grammar(_diamond(22))
+    calls = []
+    start = json_grammar.ByteGrammar._start_value
+    monkeypatch.setattr(json_grammar.ByteGrammar, "_start_value",
+                        lambda self, *a: calls.append(1) or start(self, *a))
+    assert g.step(g.initial, ord('"')) is not None and len(calls) < 10
+    assert g.matches(b'"ab"') and not g.matches(b'"abcde"')
+    chain = {f"n{i}": {"$ref": f"#/$defs/n{i + 1}"} for i in range(280)}
+    chain["n280"] = {"type": "integer"}
+    assert json_schema_grammar({"$ref": "#/$defs/n0", "$defs": chain}).matches(b"12")
+    with pytest.raises(ValueError, match="only refers to itself"):
+        json_schema_grammar({"$ref": "#/$defs/a", "$defs": {
+            "a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}})
+
+
+def test_ambiguous_recursion_meets_the_alternatives_budget():
+    from ragkv.structured.json_grammar import MAX_ALTERNATIVES, GrammarBudgetError
+
+    g = json_schema_grammar(AMBIGUOUS)
+    state, depth = g.initial, 0
+    with pytest.raises(GrammarBudgetError, match="alternatives"):
+        while True:
+            state = g.step(state, ord("["))
+            depth += 1
+            assert len(state) <= MAX_ALTERNATIVES
+    assert 2 ** (depth + 1) > MAX_ALTERNATIVES  # it failed where the doubling passed it
+    assert g.matches(b"[[],[[]]]")  # shallow values are served as before
+
+
+def test_a_schema_over_budget_fails_its_request_alone(llm, monkeypatch):
+    """A request whose grammar needs more than its budget (alternatives per state, work per
+    token mask) ends with finish_reason "error" and the reason, within a step of reaching
+    it; the requests beside it in the same steps get exactly their solo tokens."""
+    engine = llm.engine
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = llm.generate([tokens(7, seed=60)], plain, use_tqdm=False)[0].outputs[0].token_ids
+    bracket = engine.tokenizer.encode("[", add_special_tokens=False)
+    assert len(bracket) == 1
+    hostile = SamplingParams(max_tokens=40, temperature=0, logit_bias={bracket[0]: 100},
+                             structured_outputs=StructuredOutputsParams(json=AMBIGUOUS))
+    outs = llm.generate([tokens(6, seed=61), tokens(7, seed=60)], [hostile, plain],
+                        use_tqdm=False)
+    bad, good = outs[0].outputs[0], outs[1].outputs[0]
+    assert bad.finish_reason == "error" and "alternatives" in outs[0].error
+    assert outs[0].bad_request and not outs[1].bad_request  # the request's own doing
+    assert len(bad.token_ids) < 12  # it failed where the nesting passed the budget
+    assert good.token_ids == want and outs[1].error is None
+    llm.check_integrity()
+    # The work budget of one new token mask, made tiny: an ordinary schema goes over it.
+    monkeypatch.setattr(token_grammar, "MAX_MASK_WORK", 2)
+    fresh = StructuredOutputsParams(json={"type": "object", "properties": {
+        "zz": {"type": "integer"}}, "required": ["zz"]})
+    outs = llm.generate([tokens(6, seed=62), tokens(7, seed=60)],
+                        [SamplingParams(max_tokens=20, structured_outputs=fresh), plain],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and "token mask" in outs[0].error
+    assert outs[1].outputs[0].token_ids == want
+    llm.check_integrity()

@@ -164,7 +164,9 @@ class Engine:
         A failure while serving one request (planning it, choosing its recomputed tokens,
         or turning its token into text) finishes that request alone with finish_reason
         "error" and `RequestOutput.error`; if the model itself cannot run the step, the
-        requests in the step fail and every other request and cache stays as it was."""
+        requests in the step fail and every other request and cache stays as it was. An
+        `InvariantViolation` (debug checks found the bookkeeping inconsistent) propagates:
+        the engine must not go on."""
         sched = self.scheduler.schedule()
         # Requests that failed while being planned are already out of the step. Their
         # siblings fail after it: one of them may compute a chunk another request of this

@@ -22,6 +22,7 @@ from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling.penalties import TokenHistory
 from ..sampling.sampler import sample
 from ..sampling.stop import find_stop_string
+from ..structured.json_grammar import GrammarBudgetError
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 from .scheduler_output import SchedulerOutput
@@ -53,12 +54,11 @@ class OutputProcessor:
         logits = _keep_scores(sched, logits)
         sampled = [w.request for w in sched.works if w.sample]
         touched: dict[str, None] = {}
+        history = None
+        if any(r.params.has_penalties for r in sampled):
+            sampled, history, logits = self._histories(sampled, logits, touched)
         if sampled:
             try:
-                history = None
-                if any(r.params.has_penalties for r in sampled):
-                    history = [self._history(r) if r.params.has_penalties else None
-                               for r in sampled]
                 result = sample(logits, [r.params for r in sampled],
                                 [r.seed for r in sampled],
                                 [r.num_output_tokens for r in sampled], history)
@@ -76,8 +76,7 @@ class OutputProcessor:
                     self._append_token(req, result.token_ids[j], result.token_logprobs[j],
                                        result.top_logprobs[j], now)
                 except Exception as e:  # noqa: BLE001 (this request fails, not the step)
-                    logger.exception("request %s failed", req.request_id)
-                    self.fail(req, f"{type(e).__name__}: {e}")
+                    self._fail_with(req, e)
                 touched[req.parent_id] = None
         outputs = []
         for pid in touched:
@@ -87,16 +86,27 @@ class OutputProcessor:
                 outputs.append(self._output(pid))
         return outputs
 
-    def fail(self, req: Request, message: str | None) -> None:
-        """Finish `req` and its siblings (the other samples of its prompt) with an error."""
+    def fail(self, req: Request, message: str | None, bad_request: bool = False) -> None:
+        """Finish `req` and its siblings (the other samples of its prompt) with an error;
+        `bad_request`: the request's own input caused it."""
         now = time.monotonic()
         for child in self._parents.get(req.parent_id, [req]):
             if child is req or not child.status.finished:
                 child.error = message or "request failed"
+                child.bad_request = child.bad_request or bad_request
                 if child.metrics.finished_time is None:
                     child.metrics.finished_time = now
                 if not child.status.finished:
                     self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+
+    def _fail_with(self, req: Request, e: Exception) -> None:
+        """`fail` for an exception raised while serving `req`: a grammar over its budget is
+        the request's own doing (a client error), anything else the engine's."""
+        if isinstance(e, GrammarBudgetError):
+            logger.warning("request %s failed: %s", req.request_id, e)
+        else:
+            logger.exception("request %s failed", req.request_id)
+        self.fail(req, f"{type(e).__name__}: {e}", bad_request=isinstance(e, GrammarBudgetError))
 
     def fail_parents(self, failed: list[Request]) -> list[RequestOutput]:
         """Fail the siblings of `failed` requests too; the outputs of their parents."""
@@ -118,6 +128,26 @@ class OutputProcessor:
         sched = self.scheduler
         for req in list(sched.running) + list(sched.waiting):
             sched.finish(req, RequestStatus.FINISHED_ABORTED)  # not reachable by id
+
+    def _histories(self, sampled: list[Request], logits: torch.Tensor,
+                   touched: dict[str, None]
+                   ) -> tuple[list[Request], list[TokenHistory | None], torch.Tensor]:
+        """Each sampled request's TokenHistory; a request whose history fails (its grammar's
+        mask over budget) fails alone and leaves the batch with its logits row."""
+        keep: list[int] = []
+        history: list[TokenHistory | None] = []
+        for j, req in enumerate(sampled):
+            try:
+                history.append(self._history(req) if req.params.has_penalties else None)
+            except Exception as e:  # noqa: BLE001 (this request fails, not the step)
+                self._fail_with(req, e)
+                touched[req.parent_id] = None
+                continue
+            keep.append(j)
+        if len(keep) < len(sampled):
+            sampled = [sampled[j] for j in keep]
+            logits = logits[keep]
+        return sampled, history, logits
 
     def _history(self, req: Request) -> TokenHistory:
         """What a request's penalties read; its prompt's distinct ids go to the device once
@@ -218,6 +248,7 @@ class OutputProcessor:
             for c in children
         ]
         error = next((c.error for c in children if c.error is not None), None)
+        bad_request = any(c.bad_request for c in children)
         metrics = first.metrics
         if finished and len(children) > 1:  # the request ends with its last sample
             metrics = replace(metrics, finished_time=max(c.metrics.finished_time or 0.0
@@ -228,7 +259,8 @@ class OutputProcessor:
         return RequestOutput(
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=metrics, error=error, score_logprobs=_scores(first),
+            metrics=metrics, error=error, bad_request=bad_request,
+            score_logprobs=_scores(first),
         )
 
 

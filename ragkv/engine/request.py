@@ -76,6 +76,7 @@ class Request:
     looked_up: list[bool] = field(default_factory=list)
     detokenizer: IncrementalDetokenizer | None = None
     error: str | None = None  # why the request failed (status FINISHED_ERROR)
+    bad_request: bool = False  # its own input made it fail (RequestOutput.bad_request)
     # The last `num_scored_tokens` prompt tokens keep their next-token log-probabilities
     # (flat index -> [vocab] float32 on the CPU): teacher-forced scoring for `ragkv eval`.
     num_scored_tokens: int = 0

@@ -29,7 +29,9 @@ Rules that keep the bookkeeping consistent (`check_invariants` verifies them aft
   chunk the store is reading: reads never block planning); a waiting request is admitted only
   when its whole plan for the step fits (or it waits for such a chunk), otherwise everything
   it took is rolled back;
-- an exception while planning one request fails that request alone.
+- an exception while planning or updating one request fails that request alone; an
+  inconsistency `check_invariants` finds is no request's fault: it raises
+  `InvariantViolation`, and the engine stops rather than serve from a corrupt state.
 Everything here is plain integers and lists.
 """
 
@@ -47,6 +49,11 @@ from .request import ChunkBinding, Request, RequestStatus
 from .scheduler_output import SchedulerOutput, SeqWork
 
 logger = logging.getLogger("ragkv")
+
+
+class InvariantViolation(RuntimeError):
+    """The scheduler's bookkeeping is inconsistent (`check_invariants`): no one request is at
+    fault, so the engine cannot go on safely."""
 
 
 class _Stop(enum.Enum):
@@ -79,7 +86,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
         self.debug_checks = debug_checks
-        self.recompute = RecomputePlanner(chunk_cache, num_layers)
+        self.recompute = RecomputePlanner(chunk_cache, num_layers, max_num_batched_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -109,14 +116,6 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted):
             req = self.waiting[0]
-            if self.enable_prefix_caching and not req.kv.slots:
-                # An ordinary prompt keeps one token to compute: its logits give the next
-                # token. A RAG prompt always computes its question, so S may match whole.
-                limit = req.layout.system_len if req.layout.is_rag else req.num_tokens - 1
-                # Scored prompt tokens need their own logits, so they are never taken from
-                # the cache.
-                limit = min(limit, req.num_prompt_tokens - req.num_scored_tokens)
-                req.num_computed_tokens = self.kv.match_prefix(req.kv, req.token_ids[:limit])
             used, stop = self._plan(req, budget, out, may_preempt=False)
             if stop is _Stop.FAILED:
                 continue
@@ -139,7 +138,10 @@ class Scheduler:
             self.running.append(req)
             budget -= used
         if self.debug_checks:
-            self.check_invariants(out)
+            try:
+                self.check_invariants(out)
+            except AssertionError as e:  # no one request's fault: the engine must stop
+                raise InvariantViolation(str(e)) from e
         return out
 
     def _plan(self, req: Request, budget: int, out: SchedulerOutput,
@@ -148,6 +150,8 @@ class Scheduler:
         planning stopped. A failure is contained here: the request is finished with
         FINISHED_ERROR and reported in `out.failed`."""
         try:
+            if not may_preempt and self.enable_prefix_caching and not req.kv.slots:
+                self._match_prefix(req)  # a waiting request's cached prefix, first
             return self._plan_works(req, budget, out, may_preempt)
         except Exception as e:  # a bug or a bad request: it must not take the step down
             logger.exception("scheduling request %s failed", req.request_id)
@@ -156,6 +160,15 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ERROR)
             out.failed.append(req)
             return 0, _Stop.FAILED
+
+    def _match_prefix(self, req: Request) -> None:
+        """Point a waiting request that holds nothing at its longest cached prefix. An
+        ordinary prompt keeps one token to compute: its logits give the next token. A RAG
+        prompt always computes its question, so S may match whole. Scored prompt tokens need
+        their own logits, so they are never taken from the cache."""
+        limit = req.layout.system_len if req.layout.is_rag else req.num_tokens - 1
+        limit = min(limit, req.num_prompt_tokens - req.num_scored_tokens)
+        req.num_computed_tokens = self.kv.match_prefix(req.kv, req.token_ids[:limit])
 
     def _plan_works(self, req: Request, budget: int, out: SchedulerOutput,
                     may_preempt: bool) -> tuple[int, _Stop]:
@@ -273,16 +286,32 @@ class Scheduler:
     def update(self, out: SchedulerOutput, probe_scores: list = ()) -> None:
         """Commit the step after the model ran: advance computed counts, cache fresh KV,
         choose recomputed tokens from the probes' scores (one per `out.probes`). A request
-        whose choice fails is finished with FINISHED_ERROR and added to `out.failed`."""
-        for entry in out.completing:
-            self.chunk_cache.complete(entry)
+        whose commit or choice fails is finished with FINISHED_ERROR and added to
+        `out.failed`; the others are committed as usual."""
+        completing = {id(e): e for e in out.completing}
         for req, x in out.progress.values():
-            prefilled = x - req.num_computed_tokens > 1 or x <= req.layout.question_start
-            req.num_computed_tokens = x
-            if self.enable_prefix_caching and prefilled:
-                self.kv.cache(req.kv, req.cacheable_tokens())
+            mine = [b.entry for b in req.bindings
+                    if b is not None and b.computing and id(b.entry) in completing]
+            try:
+                for entry in mine:  # the chunk entries it finished computing
+                    self.chunk_cache.complete(completing.pop(id(entry)))
+                prefilled = x - req.num_computed_tokens > 1 or x <= req.layout.question_start
+                req.num_computed_tokens = x
+                if self.enable_prefix_caching and prefilled:
+                    self.kv.cache(req.kv, req.cacheable_tokens())
+            except Exception as e:  # noqa: BLE001 (this request fails, not the step)
+                logger.exception("updating request %s failed", req.request_id)
+                for entry in mine:  # not completed: its owner abandons it below
+                    completing.pop(id(entry), None)
+                req.error = f"update failed: {type(e).__name__}: {e}"
+                # Its commit stopped midway: none of its KV goes to the prefix cache.
+                self.finish(req, RequestStatus.FINISHED_ERROR, keep_prefix=False)
+                out.failed.append(req)
+        for entry in completing.values():  # every one has an owner in `progress`
+            self.chunk_cache.complete(entry)
         for req in self.recompute.update(out, list(probe_scores)):
-            self.finish(req, RequestStatus.FINISHED_ERROR)
+            if not req.status.finished:
+                self.finish(req, RequestStatus.FINISHED_ERROR)
             out.failed.append(req)
 
     def fail_step(self, out: SchedulerOutput, message: str) -> list[Request]:
@@ -298,19 +327,21 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ERROR)
         return failed
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """Take a request out of the queues and give back its slots."""
+    def finish(self, req: Request, status: RequestStatus, keep_prefix: bool = True) -> None:
+        """Take a request out of the queues and give back its slots (its computed prefix
+        into the prefix cache unless `keep_prefix` is False: a request whose commit failed
+        midway may hold KV nobody should reuse)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self._release(req, keep_prefix)
         req.status = status
 
     def live(self) -> list[Request]:
         return self.running + [r for r in self.waiting if r.kv.slots]
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, keep_prefix: bool = True) -> None:
         for i, binding in enumerate(req.bindings):
             if binding is not None and binding.entry is not None:
                 if binding.computing and not binding.entry.complete:
@@ -318,8 +349,8 @@ class Scheduler:
                 else:
                     self.chunk_cache.unpin(binding.entry)
             req.bindings[i] = None
-        cacheable = req.cacheable_tokens() if self.enable_prefix_caching else None
-        self.kv.release(req.kv, cacheable)
+        keep = self.enable_prefix_caching and keep_prefix
+        self.kv.release(req.kv, req.cacheable_tokens() if keep else None)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         out.discard(req)

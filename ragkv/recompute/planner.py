@@ -26,9 +26,12 @@ logger = logging.getLogger("ragkv")
 
 
 class RecomputePlanner:
-    def __init__(self, chunk_cache: ChunkCache | None, num_layers: int) -> None:
+    def __init__(self, chunk_cache: ChunkCache | None, num_layers: int,
+                 max_num_batched_tokens: int) -> None:
         self.chunk_cache = chunk_cache
         self.num_layers = num_layers  # prices a probe in tokens of budget
+        # A probe takes at most a step's tokens through the layers at a time.
+        self.block_tokens = max_num_batched_tokens
 
     def plan(self, req: Request, out: SchedulerOutput, room: int, computes_chunks: bool,
              alloc: Callable[[int], list[int]]) -> tuple[int, bool]:
@@ -98,7 +101,8 @@ class RecomputePlanner:
         return ProbeWork(request=req, kind=spec.scorer,
                          token_ids=[req.token_ids[x] for x in probed], positions=positions,
                          key_positions=key_positions, kv_slots=req.kv.slots[:qs],
-                         turns=layout.turns, chunks=(s, qs), check_layers=spec.check_layers)
+                         turns=layout.turns, chunks=(s, qs), check_layers=spec.check_layers,
+                         block_tokens=self.block_tokens)
 
     def _probe_cost(self, req: Request) -> int:
         """Budget for choosing R: the probed tokens times the fraction of layers probed."""

@@ -30,7 +30,7 @@ import torch
 from ..cache.kv_manager import SeqKV
 from ..cache.kv_pool import KVPool
 from ..model.backends.base import causal_mask
-from ..model.backends.torch_sdpa import turned_keys_attention, turned_probs
+from ..model.backends.torch_sdpa import turn_keys, turned_keys_attention, turned_probs
 from ..model.llama import Attention, CausalLM
 from ..model.reposition import Turn, TurnTable
 
@@ -54,6 +54,9 @@ class ProbeWork:
     turns: tuple[Turn, ...]
     chunks: tuple[int, int]
     check_layers: tuple[int, ...]
+    # Chunk tokens a `blend` probe takes through the layers at a time (the step's token
+    # budget): its memory does not grow with the chunks' length.
+    block_tokens: int = 1 << 30
 
     @property
     def kv(self) -> SeqKV:
@@ -63,27 +66,54 @@ class ProbeWork:
     def run(self, model: CausalLM, pool: KVPool) -> torch.Tensor:
         """Scores [chunk tokens] (float32, CPU)."""
         device = pool.k.device
-        n = len(self.token_ids)
-        cos, sin = model.rotary.cos_sin(torch.tensor(self.positions, device=device))
-        key_rope = model.rotary.cos_sin(torch.tensor(self.key_positions, device=device))
         index = torch.tensor(self.kv_slots, dtype=torch.long, device=device)
         table = TurnTable.build(model.rotary, sorted({d for _, _, d in self.turns}))
         rows = table.by_row(self.turns)
         first, last = self.chunks
         scores = torch.zeros(last - first, dtype=torch.float64, device=device)
+        if self.kind != "blend":
+            self._probe(model, pool, index, table, rows, 0, len(self.token_ids), scores)
+            return scores.float().cpu()
+        # The chunk tokens attend to the cached KV alone, not to each other's fresh K/V, so
+        # they go through the layers `block_tokens` at a time: memory stays within the step
+        # budget whatever the chunks' length. Each check layer's deviations are divided by
+        # their total over all the tokens at the end.
+        deviations = {layer: torch.zeros_like(scores) for layer in self.check_layers}
+        for t0 in range(0, last - first, self.block_tokens):
+            t1 = min(last - first, t0 + self.block_tokens)
+            self._probe(model, pool, index, table, rows, t0, t1, deviations)
+        for layer in sorted(deviations):
+            dev = deviations[layer]
+            scores.add_(dev / dev.sum().clamp_min(1e-30))
+        return scores.float().cpu()
+
+    def _probe(self, model: CausalLM, pool: KVPool, index: torch.Tensor, table: TurnTable,
+               rows: tuple[Turn, ...], t0: int, t1: int, into) -> None:
+        """Probed tokens t0 .. t1-1 through the layers: `query` adds its normalized weights
+        to the scores `into`; `blend` puts each check layer's deviations of its tokens
+        (chunk tokens t0 .. t1-1) into `into[layer]`."""
+        device = pool.k.device
+        n = t1 - t0
+        cos, sin = model.rotary.cos_sin(torch.tensor(self.positions[t0:t1], device=device))
+        key_rope = model.rotary.cos_sin(torch.tensor(self.key_positions[t0:t1], device=device))
+        first, last = self.chunks
         check_layers = self.check_layers
         final = max(check_layers)
         blend = self.kind == "blend"
+        # What the block's queries attend to: for `blend` the cached list up to its last
+        # token, for `query` all of it plus the question's own fresh K/V.
+        visible = first + t1 if blend else len(self.kv_slots)
 
         def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor | None:
             q, k, v = attn.qkv(x, cos, sin, key_rope)
-            keys, values = pool.k[i].index_select(0, index), pool.v[i].index_select(0, index)
+            keys = pool.k[i].index_select(0, index[:visible])
+            values = pool.v[i].index_select(0, index[:visible])
             if blend:
                 if i in check_layers:
                     fresh = torch.cat([k, v], dim=1).float()
-                    cached = torch.cat([keys[first:last], values[first:last]], dim=1).float()
-                    dev = (fresh - cached).square().sum(dim=(1, 2)).sqrt().double()
-                    scores.add_(dev / dev.sum().clamp_min(1e-30))
+                    cached = torch.cat([keys[first + t0:first + t1],
+                                        values[first + t0:first + t1]], dim=1).float()
+                    into[i][t0:t1] = (fresh - cached).square().sum(dim=(1, 2)).sqrt().double()
                 if i == final:
                     return None  # the deviation needs this layer's K/V only
             else:
@@ -91,31 +121,43 @@ class ProbeWork:
             weigh = (first, last) if not blend and i in check_layers else None
             out, weight = _attend(q, keys, values, rows, table, attn.scale, weigh)
             if weight is not None:
-                scores.add_(weight / weight.sum().clamp_min(1e-30))
+                into.add_(weight / weight.sum().clamp_min(1e-30))
             if i == final:
                 return None
             return attn.o_proj.forward(out.reshape(n, -1))
 
-        ids = torch.tensor(self.token_ids, device=device)
+        ids = torch.tensor(self.token_ids[t0:t1], device=device)
         model.run_layers(model.embed_tokens[ids], attend)
-        return scores.float().cpu()
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             rows: tuple[tuple[int, int, int], ...], table: TurnTable, scale: float,
             weigh: tuple[int, int] | None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Bottom-right causal attention of q over keys in row blocks; with `weigh` = [a, b) also
-    the attention weight of all queries and heads on each of entries a .. b-1 (float64)."""
+    """Bottom-right causal attention of q over keys in row blocks (each block's scores stay
+    within _BLOCK_ELEMENTS); with `weigh` = [a, b) also the attention weight of all queries
+    and heads on each of entries a .. b-1 (float64)."""
     n, heads, d = q.shape
     k_len, kv_heads = keys.shape[0], keys.shape[1]
-    if weigh is None:  # no weights wanted: one fused call over keys turned forward
+    block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
+    if weigh is None and block >= n:  # no weights wanted: one fused call over turned keys
         mask = causal_mask(n, n, q.device) if n > 1 else None
         return turned_keys_attention(q, keys, values, rows, table, scale, mask), None
+    if weigh is None:
+        # The same, block by block: the keys turned once (their private copy), then each
+        # block of queries over the entries up to its last one, the mask over its own rows.
+        turned = turn_keys(keys, rows, table)
+        out = torch.empty_like(q)
+        for t0 in range(0, n, block):
+            t1 = min(n, t0 + block)
+            seen = k_len - n + t1
+            mask = causal_mask(t1 - t0, t1 - t0, q.device) if t1 - t0 > 1 else None
+            out[t0:t1] = turned_keys_attention(q[t0:t1], turned[:seen], values[:seen], (),
+                                               table, scale, mask)
+        return out, None
     group = heads // kv_heads
     out = torch.empty_like(q)
     weight = torch.zeros(weigh[1] - weigh[0], dtype=torch.float64, device=q.device)
-    block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
     vs = values.float().transpose(0, 1)
     for t0 in range(0, n, block):
         t1 = min(n, t0 + block)

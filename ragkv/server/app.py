@@ -81,13 +81,9 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
     @app.post("/v1/completions")
     async def completions(request: Request):
         try:
-            body = await _parse(request, CompletionRequest, config)
-            params = body.sampling_params()
-            if body.echo or body.suffix:
-                raise ErrorResponse(400, "echo and suffix are not supported",
-                                    param="echo" if body.echo else "suffix")
-            prompts = _completion_prompts(body)
-            _check_request_size(engine, len(prompts), params)
+            body = await _parse(request, CompletionRequest, config, engine)
+            params, prompts = await engine.offload(_completion_request, engine, body,
+                                                   structured=_constrained(body))
             prepared = [await engine.prepare(p, params) for p in prompts]
             _check_lengths(engine, prepared, params, body.max_tokens is not None)
         except ErrorResponse as e:
@@ -99,10 +95,9 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         try:
-            body = await _parse(request, ChatCompletionRequest, config)
-            params = body.sampling_params()
-            _check_request_size(engine, 1, params)
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            body = await _parse(request, ChatCompletionRequest, config, engine)
+            params, messages = await engine.offload(_chat_request, engine, body,
+                                                    structured=_constrained(body))
             prompt = await engine.prepare_chat(messages, body.documents, body.cache_salt,
                                                params, **body.layout())
             explicit = body.max_tokens is not None or body.max_completion_tokens is not None
@@ -142,8 +137,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
         except (RequestFailedError, EngineDeadError) as e:
             for rid, _ in streams:
                 engine.abort(rid)
-            status = 503 if isinstance(e, EngineDeadError) else 500
-            return _error(ErrorResponse(status, str(e), "server_error"))
+            return _error(_failure(e))
         finally:
             watcher.cancel()
         if any(out is None or not out.finished for out in finals):
@@ -154,7 +148,8 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
 
 
 class _Guard:
-    """API key on /v1 and /debug, and the declared body size, checked before routing. Plain
+    """One Authorization header at most, the API key on /v1 and /debug, and the declared body
+    size, checked before routing. Plain
     ASGI rather than FastAPI's http middleware, which hides client disconnects from the
     handlers behind it."""
 
@@ -171,7 +166,14 @@ class _Guard:
         await self.app(scope, receive, send)
 
     def _check(self, scope) -> ErrorResponse | None:
-        headers = dict(scope.get("headers") or [])
+        raw_headers = scope.get("headers") or []
+        headers = dict(raw_headers)
+        # Two credentials are ambiguous: a proxy in front that checks the first would
+        # disagree with a server that used the last. Refused on every path.
+        count = sum(1 for name, _ in raw_headers if name.lower() == b"authorization")
+        if count > 1:
+            return ErrorResponse(400, f"the request has {count} Authorization headers: send "
+                                      "exactly one")
         path = scope.get("path", "")
         key = self.config.api_key
         if key and (path.startswith("/v1") or path.startswith("/debug")):
@@ -192,7 +194,10 @@ async def _abort_on_disconnect(request: Request, engine: AsyncEngine, streams: l
         engine.abort(rid)
 
 
-async def _parse(request: Request, model: type[BaseModel], config: ServerConfig):
+async def _parse(request: Request, model: type[BaseModel], config: ServerConfig,
+                 engine: AsyncEngine):
+    """The request body, read on the event loop (I/O only), then decoded and validated as
+    `model` on a request worker thread (CPU work: up to max_body_bytes of JSON)."""
     # Only JSON: a browser page cannot send application/json to another origin without a
     # CORS preflight, which this server never grants, so no web page can drive it.
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -202,10 +207,20 @@ async def _parse(request: Request, model: type[BaseModel], config: ServerConfig)
         raw = await asyncio.wait_for(_read_body(request, config.max_body_bytes),
                                      config.body_timeout_s)
     except asyncio.TimeoutError:
-        raise ErrorResponse(408, f"request body not received within "
-                                 f"{config.body_timeout_s:g} s") from None
+        raise ErrorResponse(408, body_timeout_message(config.body_timeout_s)) from None
     except ClientDisconnect:
         raise ErrorResponse(499, "client disconnected", "client_closed") from None
+    return await engine.offload(_decode, raw, model, config)
+
+
+def body_timeout_message(timeout_s: float) -> str:
+    """The message of the 408 for a body that did not arrive in time (here and in serve.py's
+    connection-level deadline)."""
+    return f"request body not received within {timeout_s:g} s"
+
+
+def _decode(raw: bytes, model: type[BaseModel], config: ServerConfig):
+    """JSON text -> the validated request (on a worker thread: see `_parse`)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, huge ints
@@ -224,6 +239,34 @@ async def _parse(request: Request, model: type[BaseModel], config: ServerConfig)
     if body.model != config.model_name:
         raise ErrorResponse(404, f"The model `{body.model}` does not exist.", param="model")
     return body
+
+
+def _constrained(body) -> bool:
+    """Whether the request asks for a structured output: building its sampling parameters
+    compiles a grammar, which goes to the structured-output workers."""
+    return any(getattr(body, name) is not None for name in (
+        "response_format", "guided_json", "guided_choice", "structured_outputs"))
+
+
+def _completion_request(engine: AsyncEngine, body: CompletionRequest
+                        ) -> tuple[SamplingParams, list]:
+    """A completion request's sampling parameters (a schema compiled) and prompts, checked
+    (on a worker thread: see `AsyncEngine.offload`)."""
+    params = body.sampling_params()
+    if body.echo or body.suffix:
+        raise ErrorResponse(400, "echo and suffix are not supported",
+                            param="echo" if body.echo else "suffix")
+    prompts = _completion_prompts(body)
+    _check_request_size(engine, len(prompts), params)
+    return params, prompts
+
+
+def _chat_request(engine: AsyncEngine, body: ChatCompletionRequest
+                  ) -> tuple[SamplingParams, list[dict]]:
+    """A chat request's sampling parameters and messages, checked (on a worker thread)."""
+    params = body.sampling_params()
+    _check_request_size(engine, 1, params)
+    return params, [{"role": m.role, "content": m.text()} for m in body.messages]
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -321,8 +364,20 @@ def _completion_prompts(body: CompletionRequest) -> list:
     return prompts
 
 
+def _failure(e: Exception) -> ErrorResponse:
+    """What a request that failed in the engine tells its client: 400 when its own input
+    caused it (a structured-output schema over the grammar's budget), 503 when the engine is
+    gone, else 500."""
+    if isinstance(e, RequestFailedError) and e.bad_request:
+        return ErrorResponse(400, str(e))
+    return ErrorResponse(503 if isinstance(e, EngineDeadError) else 500, str(e), "server_error")
+
+
 def _error(e: ErrorResponse) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    # After a 408 the rest of the body may still be on its way: end the connection rather
+    # than read it.
+    headers = {"Connection": "close"} if e.status == 408 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 async def _stream(engine: AsyncEngine, streams: list, formatter: _Formatter,
@@ -350,9 +405,7 @@ async def _stream(engine: AsyncEngine, streams: list, formatter: _Formatter,
                 open_streams -= 1
                 continue
             if isinstance(item, Exception):
-                status = 503 if isinstance(item, EngineDeadError) else 500
-                err = ErrorResponse(status, str(item), "server_error")
-                yield f"data: {json.dumps(err.body())}\n\n"
+                yield f"data: {json.dumps(_failure(item).body())}\n\n"
                 continue
             for chunk in formatter.delta(i, item):
                 yield f"data: {json.dumps(chunk)}\n\n"

@@ -5,7 +5,10 @@ The engine is single-threaded by design. One background thread owns it: it takes
 outputs to that request's asyncio queue. HTTP handlers never touch the engine directly, so the
 server schedules exactly as the offline API does. Prompts are tokenized and validated before
 they reach that thread (`prepare`, on a tokenizer thread), so a large prompt never stalls the
-steps of the requests already running.
+steps of the requests already running. The rest of a request's CPU work (decoding its JSON,
+validating it, building its sampling parameters and compiling its structured-output schema)
+runs on worker threads too (`offload`), never on the event loop: /health and other clients'
+streams do not wait for one request's parsing.
 
 Rules that keep one request's trouble its own:
 - every command runs under its own try: a failing or cancelled command (a caller that gave
@@ -27,13 +30,22 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..engine.engine import Engine
+from ..engine.scheduler import InvariantViolation
 from ..inputs.prompt import ChunkedPrompt
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
 
 logger = logging.getLogger("ragkv.server")
+
+T = TypeVar("T")
+
+# Worker threads for request parsing (`AsyncEngine.offload`): the general pool, and the pool
+# that compiles structured-output schemas.
+REQUEST_WORKERS = 4
+STRUCTURED_WORKERS = 2
 
 # Put into a stream's queue when its request was aborted: the iterator ends without a
 # finished output.
@@ -56,14 +68,24 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed this request (and only it); the message says why."""
+    """The engine failed this request (and only it); the message says why. `bad_request`:
+    the request's own input caused it (a client error, 400)."""
+
+    def __init__(self, message: str, bad_request: bool = False) -> None:
+        super().__init__(message)
+        self.bad_request = bad_request
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None]
-                 | None = None) -> None:
+                 | None = None, on_fatal: Callable[[BaseException], None] | None = None
+                 ) -> None:
+        """`on_fatal(error)` is called (on the engine thread) when the engine stops for good:
+        its bookkeeping was found inconsistent (InvariantViolation)."""
         self.engine = engine
         self._on_step = on_step
+        self._on_fatal = on_fatal
+        self.fatal: BaseException | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -73,6 +95,13 @@ class AsyncEngine:
         # one is enough to keep tokenization off both the event loop and the engine thread.
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="ragkv-tokenizer")
+        # Request parsing (`offload`): several threads, so that one large body does not queue
+        # the others behind it; and the compilation of structured-output schemas apart, so that
+        # slow schemas only ever wait for each other, never a plain request.
+        self._request_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=REQUEST_WORKERS, thread_name_prefix="ragkv-request")
+        self._structured_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=STRUCTURED_WORKERS, thread_name_prefix="ragkv-structured")
 
     def start(self) -> None:
         self._thread.start()
@@ -81,11 +110,21 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)  # the loop ends every open stream on its way out
-        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._tokenizer_pool, self._request_pool, self._structured_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
         return not self._stopped and self._thread.is_alive()
+
+    async def offload(self, fn: Callable[..., T], *args: object, structured: bool = False) -> T:
+        """`fn(*args)` on a request worker thread, off the event loop and the engine thread:
+        for the CPU work of parsing a request. `structured`: the work may compile a
+        structured-output schema (unbounded by the body size), so it runs in a pool of its
+        own. Exceptions reach the caller unchanged."""
+        loop = asyncio.get_running_loop()
+        pool = self._structured_pool if structured else self._request_pool
+        return await loop.run_in_executor(pool, functools.partial(fn, *args))
 
     async def prepare(self, prompt: object, params: SamplingParams) -> ChunkedPrompt:
         """Tokenize and validate `prompt` off the event loop and off the engine thread;
@@ -179,10 +218,21 @@ class AsyncEngine:
                     self._deliver(out)
                 if self._on_step is not None:
                     self._on_step(engine, outputs)
+            except InvariantViolation as e:
+                # Not one request's fault and not a passing error: serving on from this state
+                # could hand one request another's KV. Stop, loudly.
+                logger.critical("engine state is inconsistent, stopping: %s", e)
+                self.fatal = e
+                self._stopped = True
+                if self._on_fatal is not None:
+                    self._on_fatal(e)
             except Exception:  # a bug outside any one request: reset, keep serving
                 logger.exception("engine loop error: failing the requests in flight")
                 self._reset()
-        self._close_streams(EngineDeadError("the engine loop stopped"))
+        reason = "the engine loop stopped"
+        if self.fatal is not None:
+            reason = f"the engine stopped: its state is inconsistent ({self.fatal})"
+        self._close_streams(EngineDeadError(reason))
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -191,7 +241,7 @@ class AsyncEngine:
         if stream is None:
             return
         if out.error is not None:
-            stream.put(RequestFailedError(out.error))
+            stream.put(RequestFailedError(out.error, out.bad_request))
         else:
             stream.put(out)
 

@@ -59,7 +59,17 @@ _MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
 _NUMBER_ENDS = frozenset({_ZERO, _INT, _FRAC, _EXP})
 _NUMBER_BYTES = frozenset(b"-.0123456789")  # what a bounded number is spelled with
 
+# Alternatives one state may hold. A schema's states hold a handful (5 in the test schemas'
+# worst state); an ambiguous recursive schema (anyOf of two array schemas of itself) doubles
+# them at every nesting level, and each byte costs every alternative: past this, the request
+# fails (GrammarBudgetError) instead of slowing every other one.
+MAX_ALTERNATIVES = 256
+
 State = frozenset
+
+
+class GrammarBudgetError(ValueError):
+    """A constraint needs more work than a request may take (too ambiguous a schema)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +96,9 @@ class ByteGrammar:
         self.description = description
         self.nodes: list[tuple] = []
         self.initial: State = frozenset()
+        # Each anyOf node's non-anyOf nodes, reached through anyOf alone: computed once, so
+        # a $ref shared by many branches (a diamond of them) is expanded once, not per path.
+        self._leaves: dict[int, tuple[int, ...]] = {}
 
     def add(self, node: tuple) -> int:
         self.nodes.append(node)
@@ -125,10 +138,16 @@ class ByteGrammar:
         return self.accepting(state) and not any(self.step(state, b) for b in range(256))
 
     def step(self, state: State, byte: int) -> State | None:
-        """The state after `byte`, or None when no alternative accepts it."""
+        """The state after `byte`, or None when no alternative accepts it; a
+        GrammarBudgetError past MAX_ALTERNATIVES alternatives."""
         out = set()
         for stack, run in state:
             self._advance(stack, run, byte, out)
+        if len(out) > MAX_ALTERNATIVES:
+            raise GrammarBudgetError(
+                f"structured output: {self.description} reaches a state with more than "
+                f"{MAX_ALTERNATIVES} alternatives (a schema whose anyOf branches recur "
+                "alike)")
         return frozenset(out) if out else None
 
     def matches(self, data: bytes) -> bool:
@@ -190,18 +209,35 @@ class ByteGrammar:
         else:
             self._array_step(stack, top, b, out)
 
-    def _start_value(self, below: tuple, node_id: int, b: int, out: set,
-                     expanding: frozenset = frozenset()) -> None:
+    def anyof_leaves(self, node_id: int) -> tuple[int, ...]:
+        """The nodes other than anyOf that an anyOf node stands for, through any nesting of
+        anyOf: a value of the node is a value of one of them. A branch that only leads back
+        to an anyOf already on the way (a schema referring to itself before any byte) adds
+        nothing."""
+        leaves = self._leaves.get(node_id)
+        if leaves is None:
+            found: dict[int, None] = {}
+            seen = {node_id}
+            todo = list(reversed(self.nodes[node_id][1]))
+            while todo:
+                child = todo.pop()
+                if self.nodes[child][0] != "anyof":
+                    found[child] = None
+                elif child not in seen:
+                    seen.add(child)
+                    todo.extend(reversed(self.nodes[child][1]))
+            leaves = self._leaves[node_id] = tuple(found)
+        return leaves
+
+    def _start_value(self, below: tuple, node_id: int, b: int, out: set) -> None:
         """The first byte of a value of `node_id`, with `below` the rest of the stack."""
         node = self.nodes[node_id]
         kind = node[0]
         if len(below) >= MAX_NESTING and b in b"{[":
             return
         if kind == "anyof":
-            if node_id in expanding:
-                return  # a schema that refers to itself before any byte: no value here
-            for child in node[1]:
-                self._start_value(below, child, b, out, expanding | {node_id})
+            for leaf in self.anyof_leaves(node_id):
+                self._start_value(below, leaf, b, out)
         elif kind == "any":
             if b == ord("{"):
                 out.add((below + (("O", node[1], frozenset(), 0, None),), 0))

@@ -44,15 +44,20 @@ def json_schema_grammar(schema: object) -> ByteGrammar:
         raise ValueError("json schema nests too deeply") from None
     g.initial = frozenset({((("V", root),), START_RUN)})
     # A $ref that only leads back to itself (or an anyOf of such) can never start a value: the
-    # output would reach a state where nothing may follow. Found by a fixpoint over the nodes.
+    # output would reach a state where nothing may follow. An anyOf can start one when a
+    # branch can: found backwards from the nodes that are not anyOf, each edge once.
+    parents: dict[int, list[int]] = {}
+    for i, node in enumerate(g.nodes):
+        if node[0] == "anyof":
+            for child in node[1]:
+                parents.setdefault(child, []).append(i)
     startable = {i for i, node in enumerate(g.nodes) if node[0] != "anyof"}
-    grew = True
-    while grew:
-        grew = False
-        for i, node in enumerate(g.nodes):
-            if i not in startable and any(c in startable for c in node[1]):
-                startable.add(i)
-                grew = True
+    todo = list(startable)
+    while todo:
+        for parent in parents.get(todo.pop(), ()):
+            if parent not in startable:
+                startable.add(parent)
+                todo.append(parent)
     if len(startable) < len(g.nodes):
         raise ValueError("json schema: a $ref only refers to itself, so no value can follow "
                          "it")

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-from .json_grammar import ByteGrammar, State
+from .json_grammar import ByteGrammar, GrammarBudgetError, State
 from .params import MAX_GRAMMARS, StructuredOutputsParams, byte_grammar
 from .vocabulary import TokenVocabulary
 
@@ -26,6 +26,11 @@ from .vocabulary import TokenVocabulary
 # of them (441 masks for a 152k vocabulary).
 MAX_MASKS_PER_GRAMMAR = 4096
 MASK_BYTES_PER_GRAMMAR = 64 << 20
+# Work one new mask may take, in alternatives stepped by one byte (one unit is a few
+# microseconds): 1,167 for the test schemas' costliest mask, so a mask that needs more belongs
+# to a schema too ambiguous to serve, and its request fails within the step instead of
+# stalling every other one.
+MAX_MASK_WORK = 65_536
 # Interned states per grammar before new requests get a fresh one. A schema's structure has
 # a few hundred states, but a bounded number, a counted string or a date makes one per
 # distinct text read, so a server writing numbers and dates for days would grow its states
@@ -50,6 +55,8 @@ class TokenGrammar:
         self._terminal: dict[int, bool] = {}
         self.initial = self._intern(grammar.initial)
         self.mask_seconds = 0.0  # time spent computing masks not yet cached (benchmarks)
+        # Alternatives stepped for the mask being computed (None: no mask is).
+        self._work: int | None = None
 
     @property
     def num_masks(self) -> int:
@@ -71,7 +78,14 @@ class TokenGrammar:
         key = (sid, byte)
         nxt = self._next.get(key)
         if nxt is None:
-            state = self.grammar.step(self._states[sid], byte)
+            state = self._states[sid]
+            if self._work is not None:  # computing a mask: counted against its budget
+                self._work += len(state)
+                if self._work > MAX_MASK_WORK:
+                    raise GrammarBudgetError(
+                        f"structured output: one token mask of {self.grammar.description} "
+                        f"needs more than {MAX_MASK_WORK} steps (a too ambiguous schema)")
+            state = self.grammar.step(state, byte)
             nxt = self._next[key] = -1 if state is None else self._intern(state)
         return nxt
 
@@ -104,8 +118,12 @@ class TokenGrammar:
             self._masks.move_to_end(sid)
             return mask
         start = time.perf_counter()
-        mask = self._compute_mask(sid)
-        self.mask_seconds += time.perf_counter() - start
+        self._work = 0
+        try:
+            mask = self._compute_mask(sid)
+        finally:
+            self._work = None
+            self.mask_seconds += time.perf_counter() - start
         self._masks[sid] = mask
         if len(self._masks) > self._max_masks:
             self._masks.popitem(last=False)

@@ -149,6 +149,22 @@ def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: 
     return out.view(batch, heads, d).to(q.dtype)
 
 
+def turn_keys(ks: torch.Tensor, turns: tuple[Turn, ...], table: TurnTable | None
+              ) -> torch.Tensor:
+    """Gathered keys [k, kv_heads, d] in float32, each turn's range turned forward by its
+    delta: in place when `ks` is already float32 (so it must be the caller's own copy, never
+    a view of the pool)."""
+    ks = ks.float()
+    k_len, d = ks.shape[0], ks.shape[-1]
+    for start, end, row in turns:
+        end = min(end, k_len)
+        if start < end:
+            n = end - start
+            ks[start:end] = apply_rotary(ks[start:end], table.cos[row].expand(n, d),
+                                         table.sin[row].expand(n, d))
+    return ks
+
+
 def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                           turns: tuple[Turn, ...], table: TurnTable | None, scale: float,
                           mask: torch.Tensor | None) -> torch.Tensor:
@@ -158,15 +174,9 @@ def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
     float32 it is turned in place. Turning queries costs q_len rows per range and
     scores materialized range by range; turning keys costs the ranges' rows once, so it wins
     once a sequence has more than a few queries (selectively recomputed chunk tokens)."""
-    q_len, heads, d = q.shape
+    q_len, heads, _ = q.shape
     k_len = ks.shape[0]
-    ks = ks.float()
-    for start, end, row in turns:
-        end = min(end, k_len)
-        if start < end:
-            n = end - start
-            ks[start:end] = apply_rotary(ks[start:end], table.cos[row].expand(n, d),
-                                         table.sin[row].expand(n, d))
+    ks = turn_keys(ks, turns, table)
     full = None
     if mask is not None:
         seen = mask.new_ones(q_len, k_len - mask.shape[1])
