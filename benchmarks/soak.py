@@ -16,7 +16,14 @@ RSS (sampled every 5 s: growth after the first minute), the pool back at its bas
 load (kv usage, running and waiting requests, /debug/integrity), and the p50/p99 TTFT of plain
 requests against an unloaded run measured first.
 
+The KV pool is allocated untouched (torch.empty) and its pages enter the RSS as slots are
+first used, so with the default 2 GiB pool the RSS climbs for many minutes without any leak;
+a pool small enough for the load to touch in its first minute (the second command) makes the
+growth after it mean what it should:
+
     python benchmarks/soak.py --model smollm2-135m-instruct --clients 64 --minutes 10
+    python benchmarks/soak.py --clients 64 --minutes 10 \
+        --serve-args "--kv-cache-tokens 12288 --chunk-cache-tokens 4096"
 """
 
 from __future__ import annotations
@@ -252,6 +259,7 @@ async def run(args: argparse.Namespace, base: str, pid: int, model: str) -> dict
         "rss_mb": {"start": rss[0][1], "at_1min": after_minute[0], "max_after_1min":
                    max(after_minute), "end": rss[-1][1]},
         "rss_growth_after_1min": max(after_minute) / after_minute[0] - 1,
+        "rss_timeline": [(round(t), round(mb)) for t, mb in rss],
         "metrics_before": baseline, "metrics_after": after, "integrity": integrity,
         "plain_ttft_unloaded_s": {"p50": statistics.median(unloaded),
                                   "p99": percentile(unloaded, 0.99)},
