@@ -184,6 +184,28 @@ def test_failure_while_updating_one_request_fails_only_it(llm, monkeypatch):
     llm.check_integrity()
 
 
+def test_a_failed_commit_that_broke_the_caches_stops_the_engine(monkeypatch):
+    """A commit that fails midway fails its request; but if it left the caches broken (here it
+    took a slot it never returned), serving on could hand one request another's KV: the
+    integrity check that follows every failed commit raises InvariantViolation."""
+    from ragkv.engine.scheduler import InvariantViolation
+
+    llm = LLM("builtin:tiny", kv_cache_tokens=1024, max_model_len=256)
+    kv = llm.engine.kv
+    original = type(kv).cache
+
+    def cache(self, seq, tokens):
+        if list(tokens[:3]) == [11, 12, 13]:
+            self.allocator.alloc(1)  # leaked: no one holds it
+            raise RuntimeError("injected update fault")
+        return original(self, seq, tokens)
+
+    monkeypatch.setattr(type(kv), "cache", cache)
+    llm.engine.add_request({"prompt_token_ids": [11, 12, 13, 14]}, GREEDY, request_id="bad")
+    with pytest.raises(InvariantViolation, match="after a failed commit.*capacity"):
+        llm.engine.step()
+
+
 def test_a_corrupt_state_stops_the_engine_loudly():
     """With debug checks on, a scheduler state that breaks its rules (a running request's KV
     list shorter than the tokens it has computed) raises InvariantViolation out of step():
@@ -280,9 +302,13 @@ def test_an_inconsistent_engine_stops_serving_loudly(monkeypatch):
     steps = {"n": 0}
     step = llm.engine.step
 
+    in_step, queued = threading.Event(), threading.Event()
+
     def failing_step(include_unfinished=False):
         steps["n"] += 1
         if steps["n"] == 3:
+            in_step.set()
+            queued.wait(10)  # a command waits in the queue while the loop stops
             raise InvariantViolation("scheduler: slot 7 written twice in one step")
         return step(include_unfinished)
 
@@ -292,9 +318,17 @@ def test_an_inconsistent_engine_stops_serving_loudly(monkeypatch):
     async def scenario():
         outputs = await ae.submit("A long story:", SamplingParams(max_tokens=50,
                                                                    ignore_eos=True), "long")
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, in_step.wait, 10)
+        waiting = asyncio.ensure_future(ae.call(lambda e: 1))
+        await asyncio.sleep(0.05)
+        queued.set()
         with pytest.raises(EngineDeadError, match="inconsistent.*written twice"):
             async for _ in outputs:
                 pass
+        # The queued command is answered, not left waiting for a loop that has ended.
+        with pytest.raises(EngineDeadError, match="inconsistent"):
+            await waiting
 
     _run(scenario())
     ae._thread.join(10)

@@ -42,8 +42,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _in_process_server():
-    """build_app over a real engine, served by uvicorn with serve.py's protocol in a thread."""
+def _in_process_server(engines: list | None = None):
+    """build_app over a real engine, served by uvicorn with serve.py's protocol in a thread;
+    the AsyncEngine is appended to `engines` if given."""
     import uvicorn
 
     from ragkv.config import EngineConfig
@@ -55,6 +56,8 @@ def _in_process_server():
 
     engine = Engine(EngineConfig(model=MODEL, max_model_len=2048))
     async_engine = AsyncEngine(engine)
+    if engines is not None:
+        engines.append(async_engine)
     app = build_app(async_engine, Metrics(MODEL, engine.chunk_store),
                     ServerConfig(model_name=MODEL))
     port = _free_port()
@@ -148,6 +151,19 @@ def test_a_slow_schema_compilation_stalls_nobody(monkeypatch):
 
 
 # --- the real server: body deadline and Authorization headers --------------------------------
+
+def test_a_stopped_engine_is_answered_503_and_health_says_so():
+    """Once the engine loop has stopped (it does so on an inconsistent state), /health turns
+    503 so that a load balancer takes the replica out, and requests get a 503 naming why."""
+    engines: list = []
+    with _in_process_server(engines) as base:
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        engines[0].stop()
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 503
+        r = httpx.post(f"{base}/v1/completions", timeout=30,
+                       json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

@@ -14,7 +14,7 @@ from conftest import random_prompt
 from reference import extend_layout, layout_reference, reference_logits
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.structured import token_grammar
+from ragkv.structured import json_grammar, token_grammar
 from ragkv.structured.json_schema import json_schema_grammar
 from ragkv.structured.params import StructuredOutputsParams
 from ragkv.structured.token_grammar import StructuredOutputs, TokenGrammar
@@ -420,9 +420,10 @@ def test_a_schema_over_budget_fails_its_request_alone(llm, monkeypatch):
     outs = llm.generate([tokens(6, seed=61), tokens(7, seed=60)], [hostile, plain],
                         use_tqdm=False)
     bad, good = outs[0].outputs[0], outs[1].outputs[0]
-    assert bad.finish_reason == "error" and "alternatives" in outs[0].error
+    assert bad.finish_reason == "error" and "GrammarBudgetError" in outs[0].error
     assert outs[0].bad_request and not outs[1].bad_request  # the request's own doing
-    assert len(bad.token_ids) < 12  # it failed where the nesting passed the budget
+    # It failed where the nesting (alternatives doubling per "[") passed the budget.
+    assert len(bad.token_ids) <= json_grammar.MAX_ALTERNATIVES.bit_length()
     assert good.token_ids == want and outs[1].error is None
     llm.check_integrity()
     # The work budget of one new token mask, made tiny: an ordinary schema goes over it.
@@ -433,5 +434,10 @@ def test_a_schema_over_budget_fails_its_request_alone(llm, monkeypatch):
                         [SamplingParams(max_tokens=20, structured_outputs=fresh), plain],
                         use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error" and "token mask" in outs[0].error
+    # Deterministic: the same state fails again, at once, whatever was cached meanwhile.
+    again = llm.generate(tokens(6, seed=63), SamplingParams(max_tokens=20,
+                                                             structured_outputs=fresh),
+                         use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason == "error" and "token mask" in again.error
     assert outs[1].outputs[0].token_ids == want
     llm.check_integrity()

@@ -37,7 +37,7 @@ from ..sampling.params import SamplingParams
 from ..structured.token_grammar import StructuredOutputs
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
-from .scheduler import Scheduler
+from .scheduler import InvariantViolation, Scheduler
 
 logger = logging.getLogger("ragkv")
 
@@ -186,6 +186,8 @@ class Engine:
         self.scheduler.update(sched, result.probe_scores)
         for req in sched.failed[planned:]:  # their samples sample nothing more
             self.outputs.fail(req, req.error)
+        if len(sched.failed) > planned:
+            self._check_after_failure()
         if result.logits is None:
             return self.outputs.fail_parents(sched.failed)
         outputs = self.outputs.process(sched, result.logits, include_unfinished)
@@ -275,6 +277,15 @@ class Engine:
             dropped, self._asleep = len(self._asleep), []
             return dropped + (self.chunk_cache.clear() if self.chunk_cache else 0)
         return self.chunk_cache.clear() if self.chunk_cache is not None else 0
+
+    def _check_after_failure(self) -> None:
+        """A commit failed midway: its request is gone, but whether the caches are whole
+        cannot be taken on trust. A full integrity check (rare: only after such a failure);
+        if it fails, no request is at fault and the engine must stop."""
+        try:
+            self.check_integrity()
+        except Exception as e:
+            raise InvariantViolation(f"after a failed commit: {type(e).__name__}: {e}") from e
 
     def check_integrity(self) -> None:
         """Every slot is free, cached or held by a live request, exactly once; chunk pins

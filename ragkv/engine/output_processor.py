@@ -137,6 +137,8 @@ class OutputProcessor:
         keep: list[int] = []
         history: list[TokenHistory | None] = []
         for j, req in enumerate(sampled):
+            if req.status.finished:
+                continue  # a sibling failed: no history to build, no token to sample
             try:
                 history.append(self._history(req) if req.params.has_penalties else None)
             except Exception as e:  # noqa: BLE001 (this request fails, not the step)

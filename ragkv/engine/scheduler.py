@@ -140,8 +140,8 @@ class Scheduler:
         if self.debug_checks:
             try:
                 self.check_invariants(out)
-            except AssertionError as e:  # no one request's fault: the engine must stop
-                raise InvariantViolation(str(e)) from e
+            except Exception as e:  # no one request's fault: the engine must stop
+                raise InvariantViolation(f"{type(e).__name__}: {e}") from e
         return out
 
     def _plan(self, req: Request, budget: int, out: SchedulerOutput,

@@ -55,7 +55,8 @@ class ProbeWork:
     chunks: tuple[int, int]
     check_layers: tuple[int, ...]
     # Chunk tokens a `blend` probe takes through the layers at a time (the step's token
-    # budget): its memory does not grow with the chunks' length.
+    # budget): its activations stay one step's; only the keys it gathers grow with the
+    # chunks' length (102 MB in all for 32k tokens of SmolLM2's shape, ~8 GB in one pass).
     block_tokens: int = 1 << 30
 
     @property

@@ -51,7 +51,9 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 503 once the engine loop has stopped (its state was found inconsistent): load
+        # balancers take the replica out while it shuts down.
+        return Response(status_code=200 if engine.alive else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -90,6 +92,8 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             return _error(e)
         except ValueError as e:
             return _error(ErrorResponse(400, str(e)))
+        except EngineDeadError as e:
+            return _error(_failure(e))
         return await _respond(request, body, params, prepared, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -106,6 +110,8 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             return _error(e)
         except ValueError as e:
             return _error(ErrorResponse(400, str(e)))
+        except EngineDeadError as e:
+            return _error(_failure(e))
         return await _respond(request, body, params, [prompt], chat=True)
 
     async def _respond(request: Request, body, params, prompts: list, chat: bool):

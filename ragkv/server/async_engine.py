@@ -90,6 +90,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._stopped = False
+        # Held while a command is queued and while the stopping loop empties the queue: no
+        # command can slip in after the last drain and wait forever.
+        self._inbox_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ragkv-engine", daemon=True)
         # One thread: tokenizers are not meant to be driven from many threads at once, and
         # one is enough to keep tokenization off both the event loop and the engine thread.
@@ -122,26 +125,33 @@ class AsyncEngine:
         for the CPU work of parsing a request. `structured`: the work may compile a
         structured-output schema (unbounded by the body size), so it runs in a pool of its
         own. Exceptions reach the caller unchanged."""
-        loop = asyncio.get_running_loop()
         pool = self._structured_pool if structured else self._request_pool
-        return await loop.run_in_executor(pool, functools.partial(fn, *args))
+        return await self._in(pool, functools.partial(fn, *args))
+
+    async def _in(self, pool: concurrent.futures.Executor, call: Callable[[], T]) -> T:
+        """`call()` on `pool`; EngineDeadError once the engine has stopped (and its pools
+        with it) rather than the pool's own complaint."""
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        try:
+            future = asyncio.get_running_loop().run_in_executor(pool, call)
+        except RuntimeError as e:  # shut down between the check and the submission
+            raise EngineDeadError("the engine loop is not running") from e
+        return await future
 
     async def prepare(self, prompt: object, params: SamplingParams) -> ChunkedPrompt:
         """Tokenize and validate `prompt` off the event loop and off the engine thread;
         raises ValueError for bad input."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, self.engine.process_prompt,
-                                          prompt, params)
+        return await self._in(self._tokenizer_pool, functools.partial(
+            self.engine.process_prompt, prompt, params))
 
     async def prepare_chat(self, messages: list[dict], documents: list[str] | None,
                            cache_salt: str | None, params: SamplingParams,
                            **rag_options: object) -> ChunkedPrompt:
         """Render, split, tokenize and validate a chat request like `prepare`; `rag_options`
         as in `Engine.process_chat`."""
-        loop = asyncio.get_running_loop()
-        call = functools.partial(self.engine.process_chat, messages, documents, cache_salt,
-                                 params, **rag_options)
-        return await loop.run_in_executor(self._tokenizer_pool, call)
+        return await self._in(self._tokenizer_pool, functools.partial(
+            self.engine.process_chat, messages, documents, cache_salt, params, **rag_options))
 
     async def submit(self, prompt: object, params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -198,9 +208,10 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     def _put(self, command: tuple) -> None:
-        if not self.alive:
-            raise EngineDeadError("the engine loop is not running")
-        self._inbox.put(command)
+        with self._inbox_lock:
+            if not self.alive:
+                raise EngineDeadError("the engine loop is not running")
+            self._inbox.put(command)
         self._wake.set()
 
     def _run(self) -> None:
@@ -233,6 +244,21 @@ class AsyncEngine:
         if self.fatal is not None:
             reason = f"the engine stopped: its state is inconsistent ({self.fatal})"
         self._close_streams(EngineDeadError(reason))
+        self._refuse_queued(EngineDeadError(reason))
+
+    def _refuse_queued(self, error: EngineDeadError) -> None:
+        """Answer the commands still queued when the loop stops: their callers get `error`
+        instead of waiting on a loop that will never run them."""
+        with self._inbox_lock:
+            self._stopped = True  # `_put` refuses from here on
+            while True:
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+                future = command[-1] if command[0] in ("add", "call") else None
+                if future is not None and future.set_running_or_notify_cancel():
+                    future.set_exception(error)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

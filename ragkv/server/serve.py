@@ -35,8 +35,10 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     http: list = []  # the uvicorn server, once built
 
     def stop_serving(error: BaseException) -> None:
-        # The engine cannot go on (its state is inconsistent): every request gets a 503
-        # from now on, and the process ends with a non-zero status so a supervisor restarts it.
+        # The engine cannot go on (its state is inconsistent): requests in flight and queued
+        # get a 503 (and /health), the server stops taking connections, lets open ones finish
+        # for up to 10 s, and the process ends with a non-zero status so a supervisor
+        # restarts it.
         if http:
             http[0].should_exit = True
 
@@ -54,7 +56,8 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     http.append(uvicorn.Server(uvicorn.Config(
         app, host=host, port=port, log_level=log_level,
         http=_timed_h11(header_timeout_s, server.body_timeout_s),
-        timeout_keep_alive=timeout_keep_alive_s, limit_concurrency=limit_concurrency)))
+        timeout_keep_alive=timeout_keep_alive_s, limit_concurrency=limit_concurrency,
+        timeout_graceful_shutdown=10)))
     try:
         http[0].run()
     except KeyboardInterrupt:

@@ -33,6 +33,7 @@ Which texts a bounded number or a formatted string may be is decided in json_sca
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .json_scalars import format_scan, number_complete, number_prefix_ok
@@ -59,17 +60,42 @@ _MINUS, _ZERO, _INT, _DOT, _FRAC, _E, _ESIGN, _EXP = range(8)
 _NUMBER_ENDS = frozenset({_ZERO, _INT, _FRAC, _EXP})
 _NUMBER_BYTES = frozenset(b"-.0123456789")  # what a bounded number is spelled with
 
-# Alternatives one state may hold. A schema's states hold a handful (5 in the test schemas'
-# worst state); an ambiguous recursive schema (anyOf of two array schemas of itself) doubles
-# them at every nesting level, and each byte costs every alternative: past this, the request
-# fails (GrammarBudgetError) instead of slowing every other one.
-MAX_ALTERNATIVES = 256
+# Alternatives one state may hold. An alternative per candidate is how the automaton stays
+# deterministic: after `{"` an object has one per property it may name, a union of tool
+# schemas one per property of every tool, an enum after `"` one per value. 4,096 keeps 128
+# tools of 30 properties; an ambiguous recursive schema (anyOf of two array schemas of itself)
+# doubles them at every nesting level and passes it at depth 12: its request fails
+# (GrammarBudgetError) instead of slowing every other one.
+MAX_ALTERNATIVES = 4096
 
 State = frozenset
 
 
 class GrammarBudgetError(ValueError):
     """A constraint needs more work than a request may take (too ambiguous a schema)."""
+
+
+class WorkMeter:
+    """Counts the elementary steps of one computation over a grammar (an alternative
+    advanced, a node of an anyOf expanded, an enum word or a property name tried) against
+    `limit`: a GrammarBudgetError past it, raised in the middle of the step that passes it."""
+
+    __slots__ = ("used", "limit", "what")
+
+    def __init__(self, limit: int, what: str) -> None:
+        self.used = 0
+        self.limit = limit
+        self.what = what
+
+    def charge(self, units: int = 1) -> None:
+        self.used += units
+        if self.used > self.limit:
+            raise GrammarBudgetError(f"structured output: {self.what} needs more than "
+                                     f"{self.limit} grammar steps (a too ambiguous schema)")
+
+
+# What a step without a budget of its own counts against (tests and `matches`).
+_UNMETERED = 1 << 62
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +125,10 @@ class ByteGrammar:
         # Each anyOf node's non-anyOf nodes, reached through anyOf alone: computed once, so
         # a $ref shared by many branches (a diamond of them) is expanded once, not per path.
         self._leaves: dict[int, tuple[int, ...]] = {}
+        # Each literal node's words by their first byte: an enum of many values is looked up,
+        # not scanned, for every byte.
+        self._words: dict[int, dict[int, tuple[bytes, ...]]] = {}
+        self._first: dict[int, frozenset[int]] = {}  # node -> bytes a value of it starts with
 
     def add(self, node: tuple) -> int:
         self.nodes.append(node)
@@ -132,23 +162,76 @@ class ByteGrammar:
         """minLength and maxLength of a "C" frame's node."""
         return self.nodes[node_id][1:]
 
-    def terminal(self, state: State) -> bool:
+    def terminal(self, state: State, meter: WorkMeter | None = None) -> bool:
         """Whether the output is complete and no byte may follow (a closed object, but also
         a top-level integer 0, which no digit may extend)."""
-        return self.accepting(state) and not any(self.step(state, b) for b in range(256))
+        return self.accepting(state) and not any(self.step(state, b, meter)
+                                                 for b in range(256))
 
-    def step(self, state: State, byte: int) -> State | None:
-        """The state after `byte`, or None when no alternative accepts it; a
-        GrammarBudgetError past MAX_ALTERNATIVES alternatives."""
+    def step(self, state: State, byte: int, meter: WorkMeter | None = None) -> State | None:
+        """The state after `byte`, or None when no alternative accepts it. Its work is charged
+        to `meter`; past MAX_ALTERNATIVES alternatives, a GrammarBudgetError."""
+        if meter is None:
+            meter = WorkMeter(_UNMETERED, self.description)
         out = set()
         for stack, run in state:
-            self._advance(stack, run, byte, out)
-        if len(out) > MAX_ALTERNATIVES:
-            raise GrammarBudgetError(
-                f"structured output: {self.description} reaches a state with more than "
-                f"{MAX_ALTERNATIVES} alternatives (a schema whose anyOf branches recur "
-                "alike)")
+            self._advance(stack, run, byte, out, meter)
+            if len(out) > MAX_ALTERNATIVES:
+                raise GrammarBudgetError(
+                    f"structured output: {self.description} reaches a state with more than "
+                    f"{MAX_ALTERNATIVES} alternatives (a schema whose anyOf branches recur "
+                    "alike, or too many candidates at once)")
         return frozenset(out) if out else None
+
+    def first_bytes(self, state: State) -> frozenset[int] | None:
+        """A superset of the bytes some alternative of `state` accepts next (None: any may):
+        the token layer steps only these, so a state of many alternatives (an enum's values,
+        the properties of many tools) costs its candidates, not 256 tries of each. Computed
+        from the top frames alone, so a frame whose next byte depends on the frames below it
+        (a number that may end, a string of bounded length or a format) answers None."""
+        out: set[int] = set()
+        for stack, _ in state:
+            if not stack:
+                continue
+            top = stack[-1]
+            kind = top[0]
+            if kind == "L":
+                out.add(top[1][0])
+            elif kind == "S":
+                out |= _string_first(top[1])
+            elif kind == "V":
+                out |= self._value_first(top[1])
+                out |= _WHITESPACE
+            elif kind == "O":
+                out |= _OBJECT_FIRST[top[3]]
+            elif kind == "A":
+                _, node_id, count, phase = top
+                out |= _WHITESPACE
+                out |= _ARRAY_FIRST[phase]
+                if phase in (0, 2):
+                    spec: ArraySpec = self.nodes[node_id][1]
+                    item = spec.prefix[count] if count < len(spec.prefix) else spec.item
+                    if item is not None:
+                        out |= self._value_first(item)
+            else:
+                return None
+        return frozenset(out)
+
+    def _value_first(self, node_id: int) -> frozenset[int]:
+        """The bytes a value of `node_id` may start with."""
+        first = self._first.get(node_id)
+        if first is None:
+            node = self.nodes[node_id]
+            kind = node[0]
+            if kind == "anyof":
+                first = frozenset().union(*(self._value_first(leaf)
+                                            for leaf in self.anyof_leaves(node_id)))
+            elif kind == "literal":
+                first = frozenset(word[0] for word in node[1])
+            else:
+                first = _VALUE_FIRST[kind]
+            self._first[node_id] = first
+        return first
 
     def matches(self, data: bytes) -> bool:
         """Whether `data` is a complete output (tests and error messages)."""
@@ -161,7 +244,8 @@ class ByteGrammar:
 
     # -- the automaton ---------------------------------------------------------------------
 
-    def _advance(self, stack: tuple, run: int, b: int, out: set) -> None:
+    def _advance(self, stack: tuple, run: int, b: int, out: set, meter: WorkMeter) -> None:
+        meter.charge()
         if not stack:
             return  # a complete value: nothing may follow
         top = stack[-1]
@@ -180,7 +264,7 @@ class ByteGrammar:
             if sub is not None:
                 out.add((stack[:-1] + (("N", sub, top[2]),), 0))
             elif top[1] in _NUMBER_ENDS:
-                self._advance(stack[:-1], 0, b, out)  # the byte after the number
+                self._advance(stack[:-1], 0, b, out, meter)  # the byte after the number
         elif kind == "C":
             self._counted_step(stack, top, b, out)
         elif kind == "F":
@@ -197,17 +281,17 @@ class ByteGrammar:
             if b in _NUMBER_BYTES and number_prefix_ok(text + chr(b), bounds):
                 out.add((stack[:-1] + (("B", text + chr(b), node_id),), 0))
             elif number_complete(text, bounds):
-                self._advance(stack[:-1], 0, b, out)  # the byte after the number
+                self._advance(stack[:-1], 0, b, out, meter)  # the byte after the number
         elif b in _WHITESPACE:
             newline = b == ord("\n")
             if run % _NEWLINE < MAX_WHITESPACE_RUN and not (newline and run >= _NEWLINE):
                 out.add((stack, run + 1 + (_NEWLINE if newline else 0)))
         elif kind == "V":
-            self._start_value(stack[:-1], top[1], b, out)
+            self._start_value(stack[:-1], top[1], b, out, meter)
         elif kind == "O":
-            self._object_step(stack, top, b, out)
+            self._object_step(stack, top, b, out, meter)
         else:
-            self._array_step(stack, top, b, out)
+            self._array_step(stack, top, b, out, meter)
 
     def anyof_leaves(self, node_id: int) -> tuple[int, ...]:
         """The nodes other than anyOf that an anyOf node stands for, through any nesting of
@@ -229,15 +313,17 @@ class ByteGrammar:
             leaves = self._leaves[node_id] = tuple(found)
         return leaves
 
-    def _start_value(self, below: tuple, node_id: int, b: int, out: set) -> None:
+    def _start_value(self, below: tuple, node_id: int, b: int, out: set,
+                     meter: WorkMeter) -> None:
         """The first byte of a value of `node_id`, with `below` the rest of the stack."""
+        meter.charge()
         node = self.nodes[node_id]
         kind = node[0]
         if len(below) >= MAX_NESTING and b in b"{[":
             return
         if kind == "anyof":
             for leaf in self.anyof_leaves(node_id):
-                self._start_value(below, leaf, b, out)
+                self._start_value(below, leaf, b, out, meter)
         elif kind == "any":
             if b == ord("{"):
                 out.add((below + (("O", node[1], frozenset(), 0, None),), 0))
@@ -273,15 +359,24 @@ class ByteGrammar:
             if b in b"-0123456789" and number_prefix_ok(chr(b), node[1]):
                 out.add((below + (("B", chr(b), node_id),), 0))
         else:  # literal alternatives
-            for word in node[1]:
-                if word[0] == b:
-                    out.add((below + (("L", word[1:]),) if len(word) > 1 else below, 0))
+            words = self._words.get(node_id)
+            if words is None:
+                words = {}
+                for word in node[1]:
+                    words.setdefault(word[0], []).append(word)
+                words = self._words[node_id] = {k: tuple(v) for k, v in words.items()}
+            starting = words.get(b, ())
+            meter.charge(len(starting))
+            for word in starting:
+                out.add((below + (("L", word[1:]),) if len(word) > 1 else below, 0))
 
-    def _object_step(self, stack: tuple, top: tuple, b: int, out: set) -> None:
+    def _object_step(self, stack: tuple, top: tuple, b: int, out: set,
+                     meter: WorkMeter) -> None:
         _, node_id, seen, phase, key = top
         spec: ObjectSpec = self.nodes[node_id][1]
         below = stack[:-1]
         if phase in (0, 1) and b == ord('"'):
+            meter.charge(len(spec.properties))
             for name, (rest, _) in spec.properties.items():
                 if name not in seen:
                     out.add((below + (("O", node_id, seen | {name}, 2, name), ("L", rest)), 0))
@@ -314,7 +409,8 @@ class ByteGrammar:
                 return
         out.add((stack[:-1] + (("C", nxt, count, node_id),), 0))
 
-    def _array_step(self, stack: tuple, top: tuple, b: int, out: set) -> None:
+    def _array_step(self, stack: tuple, top: tuple, b: int, out: set,
+                    meter: WorkMeter) -> None:
         _, node_id, count, phase = top
         spec: ArraySpec = self.nodes[node_id][1]
         below = stack[:-1]
@@ -333,7 +429,7 @@ class ByteGrammar:
             item = spec.prefix[count] if count < len(spec.prefix) else spec.item
             if spec.max_items is not None or count < max(spec.min_items, len(spec.prefix)):
                 count += 1
-            self._start_value(below + (("A", node_id, count, 1),), item, b, out)
+            self._start_value(below + (("A", node_id, count, 1),), item, b, out, meter)
 
 
 def string_step(sub: int, b: int) -> int | None:
@@ -376,6 +472,27 @@ def string_step(sub: int, b: int) -> int | None:
 _NARROW_LEADS = {0xE0: (30,), 0xED: (31,), 0xF0: (32,), 0xF4: (33,)}
 _NARROW_SECOND = {30: (0xA0, 0xBF, 21), 31: (0x80, 0x9F, 21), 32: (0x90, 0xBF, 22),
                   33: (0x80, 0x8F, 22)}
+
+
+_DIGIT_START = frozenset(b"-0123456789")
+# The bytes a value of each node kind may start with (literals and anyOf: from their nodes).
+_VALUE_FIRST = {"any": frozenset(b'{["tfn') | _DIGIT_START, "object": frozenset(b"{"),
+                "array": frozenset(b"["), "string": frozenset(b'"'),
+                "counted": frozenset(b'"'), "format": frozenset(b'"'),
+                "number": _DIGIT_START, "bounded": _DIGIT_START}
+# An array frame's own next bytes by phase (0 after "[", 1 after a value, 2 after ","),
+# besides whitespace and its next value's.
+_ARRAY_FIRST = {0: frozenset(b"]"), 1: frozenset(b",]"), 2: frozenset()}
+# An object frame's next bytes by phase (0 after "{", 1 after ",", 2 after a key, 3 after a
+# value), whitespace included.
+_OBJECT_FIRST = {0: frozenset(b'"}') | _WHITESPACE, 1: frozenset(b'"') | _WHITESPACE,
+                 2: frozenset(b":") | _WHITESPACE, 3: frozenset(b",}") | _WHITESPACE}
+
+
+@functools.cache
+def _string_first(sub: int) -> frozenset[int]:
+    """The bytes string sub-state `sub` accepts (the closing quote included)."""
+    return frozenset(b for b in range(256) if string_step(sub, b) != -1)
 
 
 def counted_string_step(sub: int, b: int) -> int | None:

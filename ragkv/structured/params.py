@@ -28,6 +28,8 @@ class StructuredOutputsParams:
     # A canonical text of the constraint, set on construction: equal constraints share one
     # compiled grammar (byte_grammar) and one TokenGrammar per engine.
     key: str = field(init=False, repr=False, compare=False)
+    # The compiled byte grammar, kept with the request: the engine thread never compiles.
+    grammar: ByteGrammar = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.json_object, bool):
@@ -39,7 +41,8 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs need exactly one of json, json_object and "
                              f"choice; got {', '.join(given) or 'none'}")
         object.__setattr__(self, "key", self._canonical())
-        byte_grammar(self.key)  # compile now: errors reach the caller before queuing
+        # Compiled now, on the caller's thread: errors reach the caller before queuing.
+        object.__setattr__(self, "grammar", byte_grammar(self.key))
 
     def _canonical(self) -> str:
         if self.json_object:

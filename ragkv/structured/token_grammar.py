@@ -17,8 +17,8 @@ from collections import OrderedDict
 
 import torch
 
-from .json_grammar import ByteGrammar, GrammarBudgetError, State
-from .params import MAX_GRAMMARS, StructuredOutputsParams, byte_grammar
+from .json_grammar import ByteGrammar, GrammarBudgetError, State, WorkMeter
+from .params import MAX_GRAMMARS, StructuredOutputsParams
 from .vocabulary import TokenVocabulary
 
 # Masks kept per grammar (each is one bool per vocabulary entry): a schema's states number in
@@ -26,11 +26,16 @@ from .vocabulary import TokenVocabulary
 # of them (441 masks for a 152k vocabulary).
 MAX_MASKS_PER_GRAMMAR = 4096
 MASK_BYTES_PER_GRAMMAR = 64 << 20
-# Work one new mask may take, in alternatives stepped by one byte (one unit is a few
-# microseconds): 1,167 for the test schemas' costliest mask, so a mask that needs more belongs
-# to a schema too ambiguous to serve, and its request fails within the step instead of
+# Work one token mask may take, in grammar steps (WorkMeter: an alternative advanced by a byte,
+# an anyOf node expanded, an enum word or a property name tried; about a microsecond each).
+# Measured with SmolLM2's vocabulary: at most 636 for the test schemas, 14,082 for a union of
+# 128 objects of 10 properties, 40,960 for an enum of 4,096 values. A mask that needs more
+# belongs to a schema too ambiguous to serve: its request fails within the step instead of
 # stalling every other one.
-MAX_MASK_WORK = 65_536
+MAX_MASK_WORK = 1 << 18
+# Trie nodes with more children than this are walked only along the bytes the state can take
+# (ByteGrammar.first_bytes): the root has about 230, and trying each costs every alternative.
+_FILTER_FROM = 8
 # Interned states per grammar before new requests get a fresh one. A schema's structure has
 # a few hundred states, but a bounded number, a counted string or a date makes one per
 # distinct text read, so a server writing numbers and dates for days would grow its states
@@ -49,14 +54,20 @@ class TokenGrammar:
         self._ids: dict[State, int] = {}
         self._states: list[State] = []
         self._next: dict[tuple[int, int], int] = {}  # (state, byte) -> state, -1 dead
+        # What computing each transition cost (WorkMeter units): charged again when a mask
+        # reuses it, so whether a state's mask fits the budget does not depend on what other
+        # requests computed before; and the states whose mask did not fit.
+        self._cost: dict[tuple[int, int], int] = {}
+        self._over_budget: set[int] = set()
+        self._first: dict[int, frozenset[int] | None] = {}  # sid -> ByteGrammar.first_bytes
         self._masks: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._max_masks = max(16, min(MAX_MASKS_PER_GRAMMAR,
                                       MASK_BYTES_PER_GRAMMAR // max(vocab.size, 1)))
         self._terminal: dict[int, bool] = {}
         self.initial = self._intern(grammar.initial)
         self.mask_seconds = 0.0  # time spent computing masks not yet cached (benchmarks)
-        # Alternatives stepped for the mask being computed (None: no mask is).
-        self._work: int | None = None
+        # The budget of the mask being computed (None: no mask is).
+        self._meter: WorkMeter | None = None
 
     @property
     def num_masks(self) -> int:
@@ -74,19 +85,18 @@ class TokenGrammar:
         return sid
 
     def step(self, sid: int, byte: int) -> int:
-        """The state after one byte; -1 when the byte is refused."""
+        """The state after one byte; -1 when the byte is refused. While a mask is computed
+        (`_meter`), its cost is charged to the mask's budget, memoized or not."""
         key = (sid, byte)
         nxt = self._next.get(key)
         if nxt is None:
-            state = self._states[sid]
-            if self._work is not None:  # computing a mask: counted against its budget
-                self._work += len(state)
-                if self._work > MAX_MASK_WORK:
-                    raise GrammarBudgetError(
-                        f"structured output: one token mask of {self.grammar.description} "
-                        f"needs more than {MAX_MASK_WORK} steps (a too ambiguous schema)")
-            state = self.grammar.step(state, byte)
+            meter = self._meter if self._meter is not None else WorkMeter(1 << 62, "")
+            before = meter.used
+            state = self.grammar.step(self._states[sid], byte, meter)
             nxt = self._next[key] = -1 if state is None else self._intern(state)
+            self._cost[key] = meter.used - before
+        elif self._meter is not None:
+            self._meter.charge(self._cost[key])
         return nxt
 
     def advance(self, sid: int, token: int) -> int:
@@ -100,14 +110,21 @@ class TokenGrammar:
                 return -1
         return sid
 
+    def _first_bytes(self, sid: int) -> frozenset[int] | None:
+        first = self._first.get(sid, False)
+        if first is False:
+            first = self._first[sid] = self.grammar.first_bytes(self._states[sid])
+        return first
+
     def accepting(self, sid: int) -> bool:
         return self.grammar.accepting(self._states[sid])
 
     def terminal(self, sid: int) -> bool:
-        """ByteGrammar.terminal, memoized: asked after every token."""
+        """ByteGrammar.terminal, memoized: asked after every token; within the mask budget."""
         done = self._terminal.get(sid)
         if done is None:
-            done = self._terminal[sid] = self.grammar.terminal(self._states[sid])
+            meter = WorkMeter(MAX_MASK_WORK, f"the end test of {self.grammar.description}")
+            done = self._terminal[sid] = self.grammar.terminal(self._states[sid], meter)
         return done
 
     def mask(self, sid: int) -> torch.Tensor:
@@ -117,12 +134,20 @@ class TokenGrammar:
         if mask is not None:
             self._masks.move_to_end(sid)
             return mask
+        if sid in self._over_budget:
+            raise GrammarBudgetError(f"structured output: one token mask of "
+                                     f"{self.grammar.description} needs more than "
+                                     f"{MAX_MASK_WORK} grammar steps (a too ambiguous schema)")
         start = time.perf_counter()
-        self._work = 0
+        self._meter = WorkMeter(MAX_MASK_WORK,
+                                f"one token mask of {self.grammar.description}")
         try:
             mask = self._compute_mask(sid)
+        except GrammarBudgetError:
+            self._over_budget.add(sid)  # the next request here fails at once
+            raise
         finally:
-            self._work = None
+            self._meter = None
             self.mask_seconds += time.perf_counter() - start
         self._masks[sid] = mask
         if len(self._masks) > self._max_masks:
@@ -149,7 +174,12 @@ class TokenGrammar:
         todo = [(0, sid)]
         while todo:
             node, state = todo.pop()
-            for b, child in children[node].items():
+            branches = children[node]
+            if len(branches) > _FILTER_FROM:  # only the bytes the state can take
+                first = self._first_bytes(state)
+                if first is not None:
+                    branches = {b: branches[b] for b in first if b in branches}
+            for b, child in branches.items():
                 nxt = step(state, b)
                 if nxt >= 0:
                     allowed += ends[child]
@@ -206,7 +236,7 @@ class StructuredOutputs:
         if grammar is None or grammar.num_states > MAX_STATES_PER_GRAMMAR:
             if self._vocab is None:
                 self._vocab = TokenVocabulary(self.tokenizer, self.vocab_size)
-            grammar = self._grammars[key] = TokenGrammar(byte_grammar(key), self._vocab)
+            grammar = self._grammars[key] = TokenGrammar(params.grammar, self._vocab)
             if len(self._grammars) > MAX_GRAMMARS:
                 self._grammars.popitem(last=False)
         self._grammars.move_to_end(key)
