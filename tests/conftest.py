@@ -211,14 +211,13 @@ def redis_server():
     """A real `redis-server` on a free loopback port, without persistence; yields a handle
     with `.url`, `.stop()` and `.start()` (same port, empty again). Skips when redis-server
     is not installed, unless RAGKV_REQUIRE_REDIS=1 (CI installs it)."""
+    from dependencies import missing
     from redis_server import RedisServer
 
     binary = RedisServer.find()
     if binary is None:
-        if os.environ.get("RAGKV_REQUIRE_REDIS") == "1":
-            pytest.fail("redis-server (or the redis package) is not installed and "
-                        "RAGKV_REQUIRE_REDIS=1")
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        missing("redis-server (or the redis package)",
+                "apt-get install redis-server; pip install -e '.[test]'", "RAGKV_REQUIRE_REDIS")
     server = RedisServer(binary)
     server.start()
     try:

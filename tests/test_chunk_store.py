@@ -27,6 +27,7 @@ import types
 import pytest
 import torch
 from conftest import random_prompt
+from dependencies import require_redis_package
 from test_rag import GREEDY, MAX_TOKENS, check_outputs, make_llm, plain, rag, run
 
 from ragkv import LLM
@@ -689,7 +690,7 @@ def test_write_queue_is_bounded_in_bytes(monkeypatch):
     ("redis://127.0.0.1:6379/x", "the database must be a number"),
 ])
 def test_bad_redis_urls(url, message):
-    pytest.importorskip("redis")
+    require_redis_package()
     with pytest.raises(ValueError, match=re.escape(message)):
         RedisChunkStore(url)
 
@@ -697,7 +698,7 @@ def test_bad_redis_urls(url, message):
 def test_redis_retry_interval_doubles_while_it_stays_down(monkeypatch):
     """A dead (or hung) Redis is asked once per retry interval, and the interval doubles up to
     a bound, so the engine thread pays ever fewer timeouts; a success resets it."""
-    pytest.importorskip("redis")
+    require_redis_package()
     clock = [1000.0]
     monkeypatch.setattr(redis_tier.time, "monotonic", lambda: clock[0])
     tier = RedisChunkStore("redis://127.0.0.1:1/0", timeout_seconds=0.2, retry_seconds=2.0)
@@ -731,7 +732,7 @@ def test_parse_size_and_build():
 
 
 def test_build_chains_tiers_in_order(tmp_path):
-    pytest.importorskip("redis")
+    require_redis_package()
     # Building connects to nothing: the Redis tier connects on its first call.
     store = build_chunk_store(f"redis://127.0.0.1:1/0, disk:{tmp_path}/d:1MiB ,host:2MiB")
     assert [type(t) for t in store.tiers] == [RedisChunkStore, DiskChunkStore, HostChunkStore]

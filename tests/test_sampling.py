@@ -8,6 +8,8 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import random_prompt
+from reference import causal_layout, reference_greedy
 
 from ragkv import LLM, SamplingParams
 from ragkv.sampling.noise import noise_keys, to_uniform_, uniform_noise
@@ -64,13 +66,20 @@ def test_unseeded_requests_differ_from_each_other(llm):
     llm.check_integrity()
 
 
-def test_greedy_ignores_seed_and_matches_argmax_chain(llm):
-    a = tokens(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, seed=1))[0]
-    b = tokens(llm, PROMPT, SamplingParams(temperature=0, max_tokens=8, seed=2))[0]
-    assert a == b
-    # top_k=1 at any temperature is greedy too.
-    c = tokens(llm, PROMPT, SamplingParams(temperature=1.5, top_k=1, max_tokens=8, seed=3))[0]
-    assert c == a
+def test_greedy_ignores_seed_and_matches_argmax_chain(checkpoint, hf_model):
+    """Greedy decoding (temperature 0 with any seed, or top_k=1 at any temperature) is the
+    argmax chain of logits computed independently: HF transformers re-running the whole
+    sequence at each step, float32."""
+    path = checkpoint("llama")
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256)
+    prompt = {"prompt_token_ids": random_prompt(12, seed=5)}
+    want, _ = reference_greedy(hf_model(path), prompt["prompt_token_ids"],
+                               *causal_layout(12), max_tokens=8)
+    for params in (SamplingParams(temperature=0, seed=1),
+                   SamplingParams(temperature=0, seed=2),
+                   SamplingParams(temperature=1.5, top_k=1, seed=3)):
+        params = params.clone(max_tokens=8, ignore_eos=True)
+        assert tokens(llm, prompt, params)[0] == want
     llm.check_integrity()
 
 

@@ -7,7 +7,9 @@ standalone chunks) or selective recompute at r = 1 or r = 0, so entries are shar
 layouts, and re-positioned chunks and recomputed tokens meet every mechanism. Whatever the
 interleaving (chunked prefill, chunk jobs shared between requests, preemption and recompute,
 prefix-cache eviction, chunk-cache eviction), every request that
-finishes must give exactly the greedy tokens of the one-pass reference (docs/rag.md),
+finishes must give the greedy tokens of the one-pass reference (docs/rag.md) up to ties
+(where it differs, each token within TIE_TOL = 1e-4 log-probability of the reference's best
+given the tokens before it; `check_greedy_up_to_ties`),
 `check_integrity()` must hold after every step, the engine must drain, and once idle every
 general slot and chunk pin must be back (and the chunk cache can be cleared to empty). Below
 it, a deterministic regression test: a workload, minimized, on which the scheduler before
@@ -179,11 +181,13 @@ def _reference(hf, system: tuple, chunks: tuple, question: tuple,
     return tuple(reference_greedy(hf, ids, positions, visible, MAX_TOKENS, hidden=hidden)[0])
 
 
-def check_greedy(hf, prompt, got: list[int]) -> None:
-    """`got` must be the reference's greedy continuation of `prompt`. The random-weight model
-    has ties now and then (two tokens within ~1e-5, so float rounding picks either);
-    where the tokens differ, every token of `got` must be a greedy choice of the reference
-    given the tokens before it (within TIE_TOL of the best), which a corrupted KV is not."""
+def check_greedy_up_to_ties(hf, prompt, got: list[int]) -> None:
+    """`got` must be the reference's greedy continuation of `prompt`, up to near-ties: the
+    random-weight model has ties now and then (two tokens within ~1e-5, so float rounding
+    picks either), so where the tokens differ, every token of `got` must be within TIE_TOL
+    (1e-4) log-probability of the reference's best given the tokens before it. Not exact: a
+    corrupted KV that moved a near-tie by less than TIE_TOL would pass; one that moves the
+    distribution does not."""
     key = _parts(prompt)
     if got == list(_reference(hf, *key))[:len(got)]:
         return
@@ -278,7 +282,7 @@ def run_workload(path: str, hf, w: Workload, report=lambda text: None) -> list[s
         assert out.prompt_token_ids == flat(prompts[rid]), rid
         assert got.finish_reason == "length", (rid, got.finish_reason, out.error)
         assert len(got.token_ids) == req.max_tokens, rid
-        check_greedy(hf, prompts[rid], got.token_ids)
+        check_greedy_up_to_ties(hf, prompts[rid], got.token_ids)
         # Each chunk occurrence is looked up once, however often the request was preempted
         # and recomputed; a request always computes at least its last prompt token.
         m = out.metrics
@@ -328,7 +332,7 @@ def llama(checkpoint, hf_model) -> Model:
 @settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(w=workloads())
-def test_random_workloads_match_reference_and_keep_integrity(llama, w):
+def test_random_workloads_match_reference_up_to_ties_and_keep_integrity(llama, w):
     for name in run_workload(llama.path, llama.hf, w, report=note):
         event(name)
 

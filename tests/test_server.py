@@ -578,16 +578,67 @@ def test_streaming_n_sends_each_finish_reason_once(client):
     assert texts == {c.index: c.text for c in full.choices}
 
 
-def test_concurrent_integrity_checks_share_walks(server):
+def test_concurrent_integrity_checks_share_walks(monkeypatch):
     """Regression (defect 11): every /debug/integrity call ran its own full walk on the
-    engine thread; 40 concurrent calls stalled a stream 1.4 s. Concurrent callers now share a
-    check, so they all answer and agree."""
-    from concurrent.futures import ThreadPoolExecutor
+    engine thread; 40 concurrent calls stalled a stream 1.4 s. Here 40 calls go through the
+    app (a real engine behind it) while the first walk is held on the engine thread until all
+    of them have reached the endpoint's gate: each call joins the walk that is waiting or the
+    one queued after it, so the engine walks at most twice (the gate runs one walk at a time
+    and queues one more), and the 40 answers are ok and agree."""
+    import asyncio
 
-    with ThreadPoolExecutor(40) as pool:
-        reports = list(pool.map(lambda _: integrity(server), range(40)))
+    from ragkv.config import EngineConfig
+    from ragkv.engine.engine import Engine
+    from ragkv.server import app as app_module
+    from ragkv.server.async_engine import AsyncEngine
+    from ragkv.server.metrics import Metrics
+
+    calls = 40
+    engine = Engine(EngineConfig(model=MODEL, max_model_len=MAX_MODEL_LEN))
+    all_arrived = threading.Event()
+    arrivals, walks, held = 0, 0, []
+    walk = engine.check_integrity
+
+    def counted_walk() -> None:  # on the engine thread
+        nonlocal walks
+        walks += 1
+        if walks == 1:  # the first walk lasts until every call is in
+            held.append(all_arrived.wait(timeout=60))
+        walk()
+
+    gate_check = app_module._IntegrityGate.check
+
+    async def counted_check(gate) -> dict:
+        nonlocal arrivals
+        arrivals += 1
+        if arrivals == calls:
+            all_arrived.set()
+        return await gate_check(gate)
+
+    engine.check_integrity = counted_walk
+    monkeypatch.setattr(app_module._IntegrityGate, "check", counted_check)
+    async_engine = AsyncEngine(engine)
+    app = app_module.build_app(async_engine, Metrics(MODEL, engine.chunk_store),
+                               app_module.ServerConfig(model_name=MODEL, api_key=KEY))
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://ragkv",
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            return await asyncio.gather(*(http.get("/debug/integrity") for _ in range(calls)))
+
+    async_engine.start()
+    try:
+        answers = asyncio.run(main())
+    finally:
+        async_engine.stop()
+        engine.close()
+    assert [a.status_code for a in answers] == [200] * calls
+    reports = [a.json() for a in answers]
     assert all(r["ok"] for r in reports)
     assert len({r["kv_capacity_tokens"] for r in reports}) == 1
+    assert held == [True], "the calls did not all reach the gate during the first walk"
+    assert arrivals == calls and 1 <= walks <= 2, f"{walks} walks for {calls} calls"
 
 
 def test_chat_documents_are_reused_across_different_histories(server, client):

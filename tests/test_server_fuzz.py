@@ -7,9 +7,11 @@ Checked:
   for a body that is not declared as JSON) whose body is an OpenAI error object
   `{"error": {"message", "type", "param", "code"}}` with `code` repeating the status; never a
   5xx, a hang or a dropped connection;
-- the stream running meanwhile is unaffected: it ends normally (a last chunk with
-  finish_reason "length", then `data: [DONE]`) and its text equals the same request made
-  non-streaming afterwards (greedy, so deterministic);
+- streams run during all of the fuzzing (the first is mid-stream when it starts, their
+  events arrive while the malformed requests are answered and after the last one), and each
+  is unaffected: it ends normally (a last chunk with finish_reason "length", then
+  `data: [DONE]`) and its text equals the same request made non-streaming afterwards
+  (greedy, so deterministic);
 - /health stays 200 and /debug/integrity ok between batches; once idle nothing runs or waits
   and every general KV slot is available again; a normal request still succeeds.
 
@@ -728,6 +730,7 @@ def error_problem(answer: tuple[int, str, bytes] | str, expect: int | None) -> s
 class Streamed:
     status: int
     events: list[str]  # the payloads of the `data:` lines, in order
+    times: list[float]  # when each of them arrived (time.monotonic())
     start: float
     end: float
 
@@ -735,32 +738,48 @@ class Streamed:
 @dataclass
 class StreamRunner:
     """Runs the long streaming request back to back until told to stop, so that one is in
-    flight during all of the fuzzing however fast the machine is. Each stream is kept."""
+    flight during all of the fuzzing however fast the machine is. Each stream is kept, with
+    the arrival time of each of its events."""
 
     base: str
     streams: list[Streamed] = field(default_factory=list)
     error: BaseException | None = None
     first_chunk: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
+    last_arrival: float = 0.0  # when the latest event of any stream arrived
+    arrived: threading.Condition = field(default_factory=threading.Condition)
 
     def run(self) -> None:
         try:
             with httpx.Client(timeout=120, headers=dict(AUTH)) as http:
                 while True:
                     start = time.monotonic()
-                    events = []
+                    events, times = [], []
                     with http.stream("POST", self.base + COMPLETIONS, json=STREAM_BODY) as r:
                         for line in r.iter_lines():
                             if line.startswith("data: "):
                                 events.append(line[len("data: "):])
+                                times.append(time.monotonic())
+                                with self.arrived:
+                                    self.last_arrival = times[-1]
+                                    self.arrived.notify_all()
                                 self.first_chunk.set()
-                    self.streams.append(Streamed(r.status_code, events, start,
+                    self.streams.append(Streamed(r.status_code, events, times, start,
                                                  time.monotonic()))
                     if self.stop.is_set():
                         return
         except BaseException as e:  # noqa: BLE001 (reported by the test)
             self.error = e
             self.first_chunk.set()
+            with self.arrived:
+                self.arrived.notify_all()
+
+    def wait_for_event_after(self, moment: float, timeout: float) -> bool:
+        """Whether a stream event arrives after `moment` (False if the runner failed first)."""
+        with self.arrived:
+            self.arrived.wait_for(lambda: self.last_arrival > moment or self.error is not None,
+                                  timeout)
+            return self.last_arrival > moment
 
 
 def stream_problems(streamed: Streamed, want_text: str) -> list[str]:
@@ -877,6 +896,9 @@ def test_malformed_requests_get_openai_4xx_while_a_stream_runs(server):
     for client in clients:
         client.close()
     fuzz_end = time.monotonic()
+    # The runner stops only once a stream event has arrived after the fuzzing, so that the
+    # streams are seen running on past it (not just a last one that ended afterwards).
+    went_on = runner.wait_for_event_after(fuzz_end, 60)
     runner.stop.set()
     thread.join(timeout=120)
 
@@ -885,8 +907,14 @@ def test_malformed_requests_get_openai_4xx_while_a_stream_runs(server):
     problems += health
     assert not thread.is_alive(), "the stream did not finish"
     assert runner.error is None, f"the stream failed: {runner.error!r}"
-    # A stream was in flight from before the first malformed request to after the last.
-    assert runner.streams and runner.streams[-1].end > fuzz_end > fuzz_start
+    # Streams were in flight during all of the fuzzing: the first one was mid-stream when the
+    # first malformed request went out (events before and after), events kept arriving while
+    # the malformed requests were answered, and after the last one.
+    first = runner.streams[0].times
+    assert first[0] <= fuzz_start < first[-1], "the first stream was not mid-stream at the start"
+    assert any(fuzz_start < t < fuzz_end for streamed in runner.streams
+               for t in streamed.times), "no stream event arrived during the fuzzing"
+    assert went_on, "no stream event arrived after the fuzzing"
 
     with httpx.Client(timeout=120, headers=dict(AUTH)) as http:
         r = http.post(server + COMPLETIONS, json={**STREAM_BODY, "stream": False})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import struct
 from array import array
 
 import pytest
@@ -19,11 +20,15 @@ from ragkv.model.slot_table import LONG_RUN, MAX_ROW_COPIES, PAD_ROW, SlotTable
 
 @pytest.mark.parametrize("values", [[], [0], [1, -1, 2**63 - 1, -2**63], list(range(5000))])
 def test_int64_packing_gives_array_q_bytes(values):
+    """int64_bytes gives array("q")'s bytes and int64_tensor those values as int64; an int
+    outside int64 on either side is refused with struct's out-of-range error, never wrapped
+    or truncated."""
     assert int64_bytes(values) == array("q", values).tobytes()
     t = int64_tensor(values)
     assert t.dtype == torch.int64 and t.tolist() == values
-    with pytest.raises(Exception):  # noqa: B017 (struct.error: beyond int64)
-        int64_bytes(values + [2**63])
+    for beyond in (2**63, -2**63 - 1):
+        with pytest.raises(struct.error, match="argument out of range"):
+            int64_bytes(values + [beyond])
 
 
 def test_chunk_keys_are_those_of_array_q():

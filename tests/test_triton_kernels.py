@@ -216,18 +216,32 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
         assert state.extend.q_limit is not None
 
 
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert torch.isfinite(got).all()
+    return ((got - want).norm() / want.norm()).item()
+
+
+# What merging KV slices may cost beyond the unsplit kernel: the merge rescales each slice's
+# partial sums by exp(m_slice - m), a rounding or two per element in float32. A merge that
+# dropped, double-counted or mis-weighted a slice is off by orders of magnitude more.
+MERGE_TOL = 1e-6
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("splits,pack", [(2, False), (5, False), (5, True)])
-def test_extend_kv_splits_merge_exactly(device: str, splits: int, pack: bool, monkeypatch):
+def test_extend_kv_splits_merge_to_the_unsplit_result(device: str, splits: int, pack: bool,
+                                                      monkeypatch):
     """Query blocks over long lists cut into KV slices (rows that see nothing in a slice, a
-    chunk job's gapped list, a fresh prefill) merge to the unsplit result."""
-    monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    chunk job's gapped list, a fresh prefill) merge to the unsplit kernel's result within the
+    merge's rounding (MERGE_TOL); the unsplit kernel matches the torch backend (1e-5)."""
     _force_packing(monkeypatch, pack)
     rng = random.Random(splits)
     heads, kv_heads, head_dim = 4, 2, 32
     spec, total = _batch(rng, 2048, 512, ["question", "chunk", "prefill", "decode"], device)
     outs = []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+    for backend, n in ((TorchAttentionBackend(), None), (TritonAttentionBackend(), 1),
+                       (TritonAttentionBackend(), splits)):
+        monkeypatch.setattr(triton_attention, "extend_splits", lambda *a, n=n: n)
         pool = KVPool(1, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
         gen = torch.Generator().manual_seed(3)
         pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
@@ -236,17 +250,19 @@ def test_extend_kv_splits_merge_exactly(device: str, splits: int, pack: bool, mo
         batch = AttentionBatch(**spec, num_heads=heads, num_kv_heads=kv_heads)
         meta = AttentionMetadata(batch.write_slots, backend.prepare(batch))
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5))
-    assert meta.state.extend.splits == splits
-    ref, got = outs
-    assert torch.isfinite(got).all()
-    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+        if n is not None:
+            assert meta.state.extend.splits == n
+    ref, unsplit, split = outs
+    assert _relative(unsplit, ref) < 1e-5
+    assert _relative(split, unsplit) < MERGE_TOL
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_decode_splits_merge_exactly(device: str, splits: int):
-    """A sequence's KV cut into slices (some empty for short sequences) merges to the same
-    attention; lengths and rows are read on the device."""
+@pytest.mark.parametrize("splits", [3, 8])
+def test_decode_splits_merge_to_the_unsplit_result(device: str, splits: int):
+    """A sequence's KV cut into slices (some empty for short sequences) merges to the unsplit
+    kernel's attention within the merge's rounding (MERGE_TOL); the unsplit kernel matches
+    the torch backend (1e-5). Lengths and rows are read on the device."""
     rng = random.Random(splits)
     spec, total = _batch(rng, 2048, 512, ["decode"] * 5, device)
     kv_heads, heads, head_dim = 2, 4, 32
@@ -258,12 +274,17 @@ def test_decode_splits_merge_exactly(device: str, splits: int):
     meta = AttentionMetadata(batch.write_slots, ref_backend.prepare(batch))
     ref = ref_backend.forward(q, pool.k[0][meta.write_slots], pool.v[0][meta.write_slots], 0,
                               pool, meta, head_dim ** -0.5)
-    out = torch.full_like(q, float("nan"))
     dev = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    triton_kernels.decode_attention(q, pool.k[0], pool.v[0], out, batch.table, dev(batch.rows),
-                                    dev(batch.kv_lens), dev(batch.q_starts), splits,
-                                    head_dim ** -0.5)
-    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    outs = []
+    for n in (1, splits):
+        out = torch.full_like(q, float("nan"))
+        triton_kernels.decode_attention(q, pool.k[0], pool.v[0], out, batch.table,
+                                        dev(batch.rows), dev(batch.kv_lens),
+                                        dev(batch.q_starts), n, head_dim ** -0.5)
+        outs.append(out)
+    unsplit, split = outs
+    assert _relative(unsplit, ref) < 1e-5
+    assert _relative(split, unsplit) < MERGE_TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
