@@ -84,10 +84,21 @@ class EngineConfig:
     # chunk (None: ceil(r * len) for `sink` alone, DEFAULT_SINK_TOKENS in combinations), and
     # the layers whose K/V deviation (`blend`) or question attention (`query`) scores tokens
     # (None: each scorer's own, recompute/policy.py: check_layers_for).
-    recompute: str = "none"
-    recompute_ratio: float = 0.15
+    # `recompute` None: the model's calibrated profile (recompute/profile.py) with
+    # sequential positions, else "none"; the other settings left None come from the profile
+    # too, else default to ratio 0.15, min ratio 0 and a fixed budget.
+    recompute: str | None = None
+    recompute_ratio: float | None = None
     recompute_sink_tokens: int | None = None
     recompute_check_layers: tuple[int, ...] | None = None
+    # Adaptive budget (None: every request recomputes recompute_ratio of its chunk tokens):
+    # the fewest top-scored tokens that hold this share of the probe's score mass, at least
+    # recompute_min_ratio and at most recompute_ratio of the chunk tokens.
+    recompute_score_mass: float | None = None
+    recompute_min_ratio: float | None = None
+    # Where the calibrated recompute profile comes from: "auto" (the model's, from the ragkv
+    # cache directory or the package), a path, or None (no profile).
+    recompute_profile: str | None = "auto"
     # Check the scheduler's invariants after every step (also on with RAGKV_DEBUG_CHECKS=1).
     debug_checks: bool = False
     # Attention kernels: "auto" is "triton" on CUDA when Triton imports, else "torch".
@@ -126,8 +137,13 @@ class EngineConfig:
             raise ValueError(f"oversize_chunk must be 'error' or 'split', got "
                              f"{self.oversize_chunk!r}")
         check_layout(self.position_strategy, self.chunk_attention)
-        check_recompute(self.recompute, self.recompute_ratio, self.recompute_sink_tokens)
-        if self.recompute != "none" and self.position_strategy != "sequential":
+        check_recompute(self.recompute, self.recompute_ratio, self.recompute_sink_tokens,
+                        allow_default=True)
+        check_adaptive(self.recompute_score_mass, self.recompute_min_ratio, allow_default=True)
+        if self.recompute_profile is not None and not isinstance(self.recompute_profile, str):
+            raise ValueError(f"recompute_profile must be 'auto', a path or None, got "
+                             f"{self.recompute_profile!r}")
+        if self.recompute not in (None, "none") and self.position_strategy != "sequential":
             raise ValueError(f"recompute={self.recompute!r} recomputes chunk tokens in the "
                              "sequential layout: set position_strategy='sequential'")
         layers = self.recompute_check_layers
@@ -183,6 +199,20 @@ def check_recompute(method: object, ratio: object, sink_tokens: object,
                                     or not isinstance(sink_tokens, int) or sink_tokens < 0):
         raise ValueError(f"recompute_sink_tokens must be an integer >= 0 or None, got "
                          f"{sink_tokens!r}")
+
+
+def check_adaptive(score_mass: object, min_ratio: object, allow_default: bool = False) -> None:
+    """A clear ValueError for an adaptive recompute budget that does not exist; with
+    `allow_default`, a min_ratio of None (the engine's default, in a prompt) is accepted."""
+    if score_mass is not None and (isinstance(score_mass, bool)
+                                   or not isinstance(score_mass, (int, float))
+                                   or not 0.0 < score_mass <= 1.0):
+        raise ValueError(f"recompute_score_mass must be a number in (0, 1] or None, got "
+                         f"{score_mass!r}")
+    if not (allow_default and min_ratio is None) and (
+            isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float))
+            or not 0.0 <= min_ratio <= 1.0):
+        raise ValueError(f"recompute_min_ratio must be a number in [0, 1], got {min_ratio!r}")
 
 
 def resolve_device(config: EngineConfig) -> torch.device:

@@ -172,3 +172,21 @@ def test_store_bench_script(tmp_path):
     for run in (warm, cold):
         assert len(run["ttfts_s"]) == 2 and all(t > 0 for t in run["ttfts_s"])
     assert rep["cold_over_warm_mean"] == pytest.approx(cold["ttft_mean_s"] / warm["ttft_mean_s"])
+
+
+def test_eval_bench_script(tmp_path):
+    """benchmarks/bench_eval.py times the same eval one request at a time and batched, and the
+    two runs give the same answers."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "eval.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_eval.py"), "--model",
+         "builtin:tiny", "--questions", "3", "--modes", "chunk,sequential", "--batch-size", "3",
+         "--max-tokens", "3", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["questions"] == 3 and res["answers"] == 9 and res["requests"] == 18
+    assert res["same_answers"] == 9
+    assert res["one_at_a_time_s"] > 0 and res["batch_3_s"] > 0 and res["speedup"] > 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ragkv import LLM, SamplingParams
-from ragkv.eval.evaluate import _run, evaluate, pick_items, summarize
+from ragkv.eval.evaluate import _run, _run_all, evaluate, pick_items, summarize, wilson_interval
 from ragkv.eval.modes import MODES, EvalMode, get_mode, register_mode
 from ragkv.eval.suite import TASKS, build_suite
 
@@ -107,11 +107,62 @@ def test_recompute_modes_span_sequential_to_full(tiny):
         first = _run(tiny, mode.build(prompt, []), score).outputs[0].token_ids[0]
         assert first == int(rows[0].argmax())
     assert get_mode("sink+query@0.15").description.startswith("sequential-isolated")
-    for bad, fragment in (("blend@x", "must be a number"), ("blend@2", "recompute_ratio"),
+    for bad, fragment in (("blend@x", "after .@. comes a ratio"), ("blend@2", "recompute_ratio"),
                           ("magic@0.1", "recompute must be one of")):
         with pytest.raises(ValueError, match=fragment):
             get_mode(bad)
     tiny.check_integrity()
+
+
+def test_batched_eval_equals_one_request_at_a_time(tiny):
+    """Questions and modes in flight together give each request what it gets alone (up to
+    the order of float sums): same answers and correctness, gold log-likelihoods within 1e-4;
+    the summary's interval and paired counts and the recomputed fractions are well formed."""
+    items = pick_items(build_suite(3, seed=3), 6)
+    modes = ["chunk", "sequential", "blend@0.5", "query@0.1:0.6:0.7"]
+    alone = evaluate(tiny, items, modes, max_tokens=4, progress=False, batch_size=1)
+    tiny.check_integrity()
+    batched = evaluate(tiny, items, modes, max_tokens=4, progress=False, batch_size=4)
+    tiny.check_integrity()
+    assert not tiny.engine.has_unfinished_requests()
+    assert [(r.item_id, r.mode) for r in alone] == [(r.item_id, r.mode) for r in batched]
+    for a, b in zip(alone, batched, strict=True):
+        assert (a.prediction, a.correct) == (b.prediction, b.correct), (a.item_id, a.mode)
+        assert a.gold_logprob == pytest.approx(b.gold_logprob, abs=1e-4)
+        assert a.recomputed_fraction == b.recomputed_fraction
+    summary = summarize(batched)
+    for mode, data in summary.items():
+        g = data["overall"]
+        lo, hi = g["accuracy_ci95"]
+        assert 0 <= lo <= g["accuracy"] <= hi <= 1
+        if mode == "full":
+            assert data["agreement"] is None and g["recomputed_mean"] is None
+        else:
+            assert sum(data["agreement"].values()) == len(items)
+            assert data["agreement"]["both"] + data["agreement"]["mode_only"] == g["correct"]
+    assert summary["chunk"]["overall"]["recomputed_mean"] == 0
+    assert summary["blend@0.5"]["overall"]["recomputed_mean"] == pytest.approx(0.5, abs=0.02)
+    adaptive = [r.recomputed_fraction for r in batched if r.mode == "query@0.1:0.6:0.7"]
+    assert all(0.1 - 1e-9 <= f <= 0.6 + 0.02 for f in adaptive), adaptive
+    with pytest.raises(ValueError, match="batch_size"):
+        evaluate(tiny, items, modes, progress=False, batch_size=0)
+
+
+def test_a_failed_eval_request_leaves_the_engine_idle(tiny):
+    bad = {"prompt_token_ids": [10**9]}  # outside the vocabulary: refused at add_request
+    good = {"prompt_token_ids": [1, 2, 3]}
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        _run_all(tiny, [(good, params, 0), (bad, params, 0)], 2)
+    assert not tiny.engine.has_unfinished_requests()
+    tiny.check_integrity()
+
+
+def test_wilson_interval():
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    lo, hi = wilson_interval(150, 300)
+    assert lo == pytest.approx(0.4437, abs=1e-3) and hi == pytest.approx(0.5563, abs=1e-3)
+    assert wilson_interval(0, 20)[0] == 0 and wilson_interval(20, 20)[1] == 1
 
 
 def test_unknown_mode_is_a_clear_error(tiny):

@@ -181,3 +181,41 @@ def test_json_schema_answer_is_hf_greedy_within_the_grammar(llm, hf):
         matcher.advance(token)
     assert matcher.terminal
     llm.check_integrity()
+
+
+def test_calibration_on_the_real_model(llm, tmp_path):
+    """`ragkv calibrate` end to end on SmolLM2 (a few questions, two candidates): the profile
+    is keyed to the model's fingerprint, readable, and holds both points of its curve."""
+    from ragkv.eval.calibrate import calibrate
+    from ragkv.recompute.profile import read_profile, write_profile
+
+    profile = calibrate(llm, MODEL, quick=True, candidates=["query@0.3", "blend@0.15"],
+                        num_questions=5, max_tokens=4, progress=False)
+    path = write_profile(profile, tmp_path / "smollm2.json")
+    loaded = read_profile(path, llm.engine.checkpoint.fingerprint)
+    assert loaded.settings == profile["settings"] | (
+        {"recompute_check_layers": tuple(profile["settings"]["recompute_check_layers"])})
+    assert [p["mode"] for p in profile["curve"]] == ["query@0.3", "blend@0.15"]
+    assert profile["settings"]["recompute_check_layers"] in ([4, 8, 12], [1])
+    for point in profile["curve"]:
+        assert point["recomputed_mean"] == pytest.approx(float(point["mode"].split("@")[1]),
+                                                         abs=0.02)
+    llm.check_integrity()
+
+
+def test_the_shipped_profile_is_smollm2s_and_loads_by_itself(llm, tmp_path, monkeypatch):
+    """The package ships SmolLM2's profile, named by the installed file's fingerprint: an engine
+    with sequential positions and no recompute settings uses it (with an empty cache
+    directory), and its curve is the one it was chosen from."""
+    from ragkv.recompute.profile import SHIPPED, profile_name, read_profile
+
+    fingerprint = llm.engine.checkpoint.fingerprint
+    shipped = SHIPPED / profile_name(fingerprint)
+    profile = read_profile(shipped, fingerprint)
+    assert profile.data["model"] == MODEL and profile.data["calibration"]["questions"] >= 60
+    assert profile.data["chosen"] in {p["mode"] for p in profile.data["curve"]}
+    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    sequential = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024,
+                     position_strategy="sequential")
+    assert sequential.engine.recompute_profile.path == str(shipped)
+    assert sequential.engine.config.recompute == profile.settings["recompute"]

@@ -302,6 +302,8 @@ def test_recompute_as_engine_default_and_in_stats(llama):
     ({"recompute_ratio": 1.5}, "recompute_ratio"),
     ({"recompute_sink_tokens": -1}, "recompute_sink_tokens"),
     ({"recompute_check_layers": ()}, "recompute_check_layers"),
+    ({"recompute_score_mass": 1.5}, "recompute_score_mass"),
+    ({"recompute_min_ratio": -0.5}, "recompute_min_ratio"),
 ])
 def test_bad_engine_settings_are_clear_errors(kwargs, fragment, llama):
     from ragkv.config import EngineConfig
@@ -349,6 +351,12 @@ def test_sink_and_budget_rules():
     assert len(combo.sink(layout)) == 11 and not combo.needs_probe(layout)
     assert RecomputeSpec("blend", 1.0, None, (1,)).select(
         layout, torch.zeros(21)) == tuple(range(3, 24))
+    # Every chunk token at r = 1 (or an adaptive budget whose least is all): no probe to run.
+    for everything in (RecomputeSpec("blend", 1.0, None, (1,)),
+                       RecomputeSpec("query", 1.0, None, (1,), 0.5, 1.0)):
+        assert not everything.needs_probe(layout)
+        assert everything.select(layout, None) == tuple(range(3, 24))
+    assert RecomputeSpec("query", 1.0, None, (1,), 0.5, 0.9).needs_probe(layout)
 
 
 def test_select_takes_the_best_scores_ties_to_the_earlier_token():
@@ -360,6 +368,65 @@ def test_select_takes_the_best_scores_ties_to_the_earlier_token():
     assert spec.select(layout, scores) == (2, 3, 6, 8)  # sinks 2 and 6, then 0.9 and 0.9
     with pytest.raises(ValueError, match="one score per chunk token"):
         spec.select(layout, torch.zeros(3))
+
+
+def test_adaptive_budget_takes_the_fewest_tokens_holding_the_mass():
+    layout = PromptLayout.build(2, [4, 4], "sequential")  # chunk tokens at 2 .. 9
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.5, 0.0, 0.9, 0.2])  # mass 3.6
+
+    def adaptive(mass, high=1.0, low=0.0, method="query", sink=None):
+        return RecomputeSpec(method, high, sink, (1,), mass, low).select(layout, scores)
+
+    assert adaptive(0.5) == (3, 8)  # 0.9 + 0.9 = 1.8 = half the mass
+    assert adaptive(0.51) == (3, 4, 8)  # one more, the earlier of the 0.5s
+    assert adaptive(1.0) == (2, 3, 4, 5, 6, 8, 9)  # every token with a score, not the 0.0
+    assert adaptive(0.5, high=0.125) == (3,)  # at most ceil(0.125 * 8) = 1
+    assert adaptive(0.1, low=0.5) == (3, 4, 5, 8)  # at least 4, best first
+    # Sinks count towards the mass and the bounds: sink 2 (0.1) and 6 (0.5) hold 0.6, then
+    # 0.9, 0.9 (2.4 of 3.6 = 2/3).
+    assert adaptive(0.6, method="sink+blend", sink=1) == (2, 3, 6, 8)
+    assert adaptive(0.1, method="sink+blend", sink=1) == (2, 6)
+    zero = RecomputeSpec("blend", 1.0, None, (1,), 0.9, 0.25)
+    assert zero.select(layout, torch.zeros(8)) == (2, 3)  # no mass: the least, ties earlier
+
+
+def test_adaptive_budget_at_the_ends_and_within_bounds(llama):
+    """Mass 1 with scores everywhere recomputes every chunk token up to the ratio: at
+    ratio 1 the full prefill exactly; low = high = 0 is the sequential layout; in between each
+    request recomputes within [low, high] of its chunk tokens."""
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    S, Q = random_prompt(7, seed=120), random_prompt(5, seed=121)
+    A, B = random_prompt(16, seed=122), random_prompt(11, seed=123)
+
+    def adaptive(low, high, mass, chunks=(A, B)) -> RAGPrompt:
+        return RAGPrompt(S, list(chunks), Q, position_strategy="sequential", recompute="blend",
+                         recompute_ratio=high, recompute_min_ratio=low,
+                         recompute_score_mass=mass)
+
+    full = adaptive(1.0, 1.0, 0.5)
+    out = llm.generate([full], GREEDY, use_tqdm=False)[0]
+    check(hf, full, out, "full")
+    assert out.metrics.num_recomputed_tokens == 27
+    none = adaptive(0.0, 0.0, 0.9, (B, A))
+    out = llm.generate([none], GREEDY, use_tqdm=False)[0]
+    check(hf, none, out, "sequential")
+    assert out.metrics.num_recomputed_tokens == 0
+    counts = []
+    for mass in (0.05, 0.5, 0.95):
+        out = llm.generate([adaptive(0.1, 0.6, mass)], GREEDY, use_tqdm=False)[0]
+        counts.append(out.metrics.num_recomputed_tokens)
+    assert 3 <= counts[0] <= counts[1] <= counts[2] <= 17, counts  # ceil(.1*27), ceil(.6*27)
+    assert counts[0] < counts[2], counts  # the mass decides, not a fixed ratio
+    for kwargs, fragment in (
+            ({"recompute_score_mass": 0.0}, "recompute_score_mass"),
+            ({"recompute_score_mass": 0.5, "recompute_min_ratio": 0.9}, "must not exceed"),
+            ({"recompute_min_ratio": 1.5}, "recompute_min_ratio")):
+        with pytest.raises(ValueError, match=fragment):
+            llm.generate([RAGPrompt(S, [A], Q, recompute="blend", recompute_ratio=0.5,
+                                    **kwargs)], GREEDY, use_tqdm=False)
+        llm.check_integrity()
+    llm.check_integrity()
 
 
 # ------------------------------------------------------------------- scheduler regressions

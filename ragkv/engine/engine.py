@@ -33,6 +33,7 @@ from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.runner import ModelRunner
 from ..outputs import RequestOutput
+from ..recompute.profile import resolve_recompute
 from ..sampling.params import SamplingParams
 from ..structured.token_grammar import StructuredOutputs
 from .input_processor import InputProcessor
@@ -65,6 +66,13 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.checkpoint = checkpoint = inspect_checkpoint(config.model)
+        # Every recompute setting made concrete, from the model's calibrated profile where the
+        # user left them unset.
+        config, self.recompute_profile = resolve_recompute(config, checkpoint.fingerprint)
+        self.config = config
+        if self.recompute_profile is not None:
+            logger.info("recompute profile %s: %s", self.recompute_profile.path,
+                        self.recompute_profile.describe())
         self.model_config = mc = checkpoint.model_config
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device, parse_torch_dtype(checkpoint.torch_dtype))
@@ -148,6 +156,18 @@ class Engine:
     def has_request(self, request_id: str) -> bool:
         """Whether a request (by its parent id) is queued or running."""
         return self.outputs.has(request_id)
+
+    def recompute_settings(self) -> dict:
+        """The default layout and selective recompute, and the calibrated profile they came
+        from (None: given by the user, or no profile), as plain values."""
+        c, profile = self.config, self.recompute_profile
+        layers = c.recompute_check_layers
+        return {"position_strategy": c.position_strategy, "recompute": c.recompute,
+                "recompute_ratio": c.recompute_ratio,
+                "recompute_min_ratio": c.recompute_min_ratio,
+                "recompute_score_mass": c.recompute_score_mass,
+                "recompute_check_layers": None if layers is None else list(layers),
+                "profile": None if profile is None else profile.path}
 
     def abort_request(self, request_id: str) -> None:
         self.outputs.abort(request_id)

@@ -164,7 +164,8 @@ class InputProcessor:
             self._check_rope(strategy, attention)
             recompute = recompute_spec(self.config, parsed.recompute, parsed.recompute_ratio,
                                        parsed.recompute_sink_tokens, strategy,
-                                       self.model_config.num_layers)
+                                       self.model_config.num_layers,
+                                       parsed.recompute_score_mass, parsed.recompute_min_ratio)
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
         keys = ()

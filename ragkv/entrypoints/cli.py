@@ -1,4 +1,4 @@
-"""Command line: `ragkv serve | generate | bench | eval | demo | precompute`."""
+"""Command line: `ragkv serve | generate | bench | eval | calibrate | demo | precompute`."""
 
 from __future__ import annotations
 
@@ -67,13 +67,27 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         help="what a chunk attends to: the system prompt and itself "
                              "(isolated) or itself only, reusable under any system prompt "
                              "(standalone)")
-    parser.add_argument("--recompute", choices=list(RECOMPUTE_METHODS), default="none",
+    parser.add_argument("--recompute", choices=list(RECOMPUTE_METHODS), default=None,
                         help="selective recompute of chunk tokens (needs --position-strategy "
                              "sequential): by K/V deviation (blend), each chunk's first "
                              "tokens (sink), the question's attention (query), or sinks then "
-                             "a scorer")
-    parser.add_argument("--recompute-ratio", type=float, default=0.15,
-                        help="fraction of chunk tokens recomputed (0: none, 1: a full prefill)")
+                             "a scorer (unset: the model's calibrated profile with sequential "
+                             "positions, else none)")
+    parser.add_argument("--recompute-ratio", type=float, default=None,
+                        help="fraction of chunk tokens recomputed (0: none, 1: a full "
+                             "prefill; unset: the profile's, else 0.15)")
+    parser.add_argument("--recompute-score-mass", type=float, default=None,
+                        help="adaptive budget: recompute the fewest top-scored chunk tokens "
+                             "that hold this share of the probe's scores, between "
+                             "--recompute-min-ratio and --recompute-ratio (unset: always "
+                             "--recompute-ratio)")
+    parser.add_argument("--recompute-min-ratio", type=float, default=None,
+                        help="the least an adaptive budget recomputes (unset: the profile's, "
+                             "else 0)")
+    parser.add_argument("--recompute-profile", default="auto",
+                        help="calibrated recompute settings (ragkv calibrate): auto (the "
+                             "model's, from the ragkv cache directory or the package), a "
+                             "profile file, or none")
     parser.add_argument("--recompute-sink-tokens", type=int, default=None,
                         help="sink tokens per chunk (unset: the ratio of each chunk for sink "
                              f"alone, {DEFAULT_SINK_TOKENS} in sink+blend and sink+query)")
@@ -218,20 +232,40 @@ def _eval(args: argparse.Namespace) -> int:
     items = pick_items(build_suite(args.num_per_task, seed=args.suite_seed), args.limit)
     llm = LLM(args.model, **engine_kwargs(args))
     results = evaluate(llm, items, modes, max_tokens=args.max_tokens,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, batch_size=args.batch_size)
     summary = summarize(results)
     print(f"model {args.model}: {len(items)} questions, suite seed {args.suite_seed}")
     print(format_summary(summary))
     if args.json:
         meta = {"model": args.model, "suite_seed": args.suite_seed,
                 "num_per_task": args.num_per_task, "limit": args.limit,
-                "num_items": len(items), "modes": list(summary), "max_tokens": args.max_tokens}
+                "num_items": len(items), "modes": list(summary), "max_tokens": args.max_tokens,
+                "batch_size": args.batch_size}
         with open(args.json, "w") as f:
             json.dump(report_json(results, summary, meta), f, indent=2)
         print(f"results written to {args.json}")
     if args.plot:
         plot_summary(summary, args.plot)
         print(f"plot written to {args.plot}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from ..eval.calibrate import calibrate, format_curve
+    from ..llm import LLM
+    from ..recompute.profile import profile_dir, profile_name, write_profile
+
+    candidates = [m.strip() for m in args.candidates.split(",") if m.strip()] or None
+    # The candidates carry their own settings; no profile may shape the measurement.
+    kwargs = {**engine_kwargs(args), "recompute_profile": None}
+    llm = LLM(args.model, **kwargs)
+    profile = calibrate(llm, args.model, target=args.target, quick=args.quick,
+                        candidates=candidates, num_questions=args.questions,
+                        suite_seed=args.suite_seed, max_tokens=args.max_tokens,
+                        batch_size=args.batch_size, progress=not args.no_progress)
+    print(format_curve(profile))
+    out = args.output or profile_dir() / profile_name(profile["model_fingerprint"])
+    print(f"profile written to {write_profile(profile, out)}: {profile['chosen']}")
     return 0
 
 
@@ -338,10 +372,37 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--limit", type=int, default=None,
                     help="run at most this many questions (round-robin over the tasks)")
     ev.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
+    ev.add_argument("--batch-size", type=int, default=8,
+                    help="questions in flight at once, each in every mode (1: one request at "
+                         "a time, so TTFTs hold no queueing)")
     ev.add_argument("--json", default=None, help="write the summary and every answer here")
     ev.add_argument("--plot", default=None, help="accuracy and gold likelihood as a PNG")
     ev.add_argument("--no-progress", action="store_true")
     ev.set_defaults(func=_eval)
+
+    cal = sub.add_parser("calibrate", help="the cheapest selective recompute that keeps a "
+                                           "model's answers: a per-model profile",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(cal)
+    cal.add_argument("--target", type=float, default=0.9,
+                     help="share of the gold-answer likelihood gap between sequential and "
+                          "full prefill to close (accuracy must also be within noise of full)")
+    cal.add_argument("--quick", action="store_true",
+                     help="fewer questions and candidates: a first profile in minutes")
+    cal.add_argument("--questions", type=int, default=None,
+                     help="calibration questions (default: 60 with --quick, else 250)")
+    cal.add_argument("--candidates", default="",
+                     help="comma-separated recompute modes to try (METHOD@RATIO or "
+                          "METHOD@LOW:HIGH:MASS; default: the built-in sweep)")
+    cal.add_argument("--suite-seed", type=int, default=1009,
+                     help="seed of the calibration split (ragkv eval reports seed 0)")
+    cal.add_argument("--max-tokens", type=int, default=32, help="answer length limit")
+    cal.add_argument("--batch-size", type=int, default=8, help="questions in flight at once")
+    cal.add_argument("--output", default=None,
+                     help="profile path (default: the ragkv cache directory, where engines "
+                          "of this model find it)")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.set_defaults(func=_calibrate, model="smollm2-135m-instruct")
 
     pre = sub.add_parser("precompute", help="compute a corpus's chunk KV into the chunk store",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -1,7 +1,8 @@
 """How `ragkv eval` lays out one question's prompt in each mode: one registry, so a new
 attention or position mode (sequential positions, selective recompute) is one entry.
 Selective recompute is a family of modes named `METHOD@RATIO` (e.g. `blend@0.15`,
-`sink+query@0.1`): the sequential layout with that method recomputing that fraction.
+`sink+query@0.1`): the sequential layout with that method recomputing that fraction, or
+`METHOD@LOW:HIGH:MASS` with an adaptive budget.
 
 Every mode gets the same tokens: the chat prompt split into S, chunks and Q by
 `Engine.process_chat` (documents after the system message). Modes differ only in what the
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import check_recompute
+from ..config import check_adaptive, check_recompute
 from ..inputs.prompt import ChunkedPrompt, RAGPrompt
 
 
@@ -45,18 +46,65 @@ def _layout(position_strategy: str, chunk_attention: str, **recompute: object
 
 def recompute_mode(name: str) -> EvalMode:
     """The mode `METHOD@RATIO`: sequential-isolated chunk reuse recomputing RATIO of the chunk
-    tokens chosen by METHOD (config.RECOMPUTE_METHODS). Scoring appends the gold answer to the
-    question; the engine's query probe leaves scored tokens out, so the choice is the same as
-    for the generation."""
-    method, _, ratio_text = name.partition("@")
+    tokens chosen by METHOD (config.RECOMPUTE_METHODS); `METHOD@LOW:HIGH:MASS` gives it an
+    adaptive budget: the fewest top-scored tokens holding MASS of the probe's scores, between
+    LOW and HIGH of the chunk tokens. Scoring appends the gold answer to the question; the
+    engine's query probe leaves scored tokens out, so the choice is the same as for the
+    generation."""
+    method, _, budget = name.partition("@")
     try:
-        ratio = float(ratio_text)
+        numbers = [float(x) for x in budget.split(":")]
     except ValueError:
-        raise ValueError(f"eval mode {name!r}: the ratio after '@' must be a number") from None
-    check_recompute(method, ratio, None)
-    return EvalMode(name, f"sequential-isolated reuse, recompute={method} of "
-                          f"{ratio:g} of the chunk tokens",
-                    _layout("sequential", "isolated", recompute=method, recompute_ratio=ratio))
+        numbers = []
+    if len(numbers) not in (1, 3):
+        raise ValueError(f"eval mode {name!r}: after '@' comes a ratio (blend@0.15) or "
+                         "LOW:HIGH:MASS for an adaptive budget (query@0.05:0.3:0.8)")
+    if len(numbers) == 1:
+        ratio, = numbers
+        check_recompute(method, ratio, None)
+        return EvalMode(name, f"sequential-isolated reuse, recompute={method} of "
+                              f"{ratio:g} of the chunk tokens",
+                        _layout("sequential", "isolated", recompute=method,
+                                recompute_ratio=ratio))
+    low, high, mass = numbers
+    check_recompute(method, high, None)
+    check_adaptive(mass, low)
+    if low > high:
+        raise ValueError(f"eval mode {name!r}: LOW must not exceed HIGH")
+    return EvalMode(name, f"sequential-isolated reuse, recompute={method} of the fewest chunk "
+                          f"tokens holding {mass:g} of the scores, {low:g} to {high:g} of them",
+                    _layout("sequential", "isolated", recompute=method, recompute_ratio=high,
+                            recompute_min_ratio=low, recompute_score_mass=mass))
+
+
+# The mode of the model's calibrated recompute profile (recompute/profile.py).
+CALIBRATED = "calibrated"
+
+
+def calibrated_mode(engine) -> EvalMode:
+    """The sequential-isolated layout with the settings of the engine's model's recompute
+    profile (found as an engine finds it); a clear error when there is none, or when its
+    check layers are not the engine's (they are an engine setting, not a request's)."""
+    from ..recompute.policy import check_layers_for
+    from ..recompute.profile import find_profile
+
+    profile = find_profile("auto", engine.checkpoint.fingerprint)
+    if profile is None:
+        raise ValueError(f"eval mode {CALIBRATED!r}: no recompute profile for this model "
+                         "(ragkv calibrate writes one)")
+    s = profile.settings
+    method = s.get("recompute", "none")
+    own = s.get("recompute_check_layers")
+    layers = check_layers_for(method, engine.config.recompute_check_layers,
+                              engine.model_config.num_layers)
+    if own is not None and method != "sink" and tuple(own) != layers:
+        raise ValueError(f"eval mode {CALIBRATED!r}: the profile checks layers "
+                         f"{','.join(map(str, own))}; run with --recompute-check-layers "
+                         f"{','.join(map(str, own))}")
+    options = {k: v for k, v in s.items() if k != "recompute_check_layers"}
+    return EvalMode(CALIBRATED, f"sequential-isolated reuse with the calibrated profile: "
+                                f"{profile.describe()}",
+                    _layout("sequential", "isolated", **options))
 
 
 MODES: dict[str, EvalMode] = {}

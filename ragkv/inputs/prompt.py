@@ -12,8 +12,9 @@ Separators never reach the model. Empty chunks are dropped; no chunks is an ordi
 The parts that recur across requests (system parts and chunks given as text, a chat's rendered
 head and documents) are tokenized through the engine's `TokenCache` when it has one.
 A prompt's RAG options (None: the engine's default) choose its layout, `position_strategy` and
-`chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio` and
-`recompute_sink_tokens` (docs/rag.md; see `config.py`).
+`chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio`,
+`recompute_sink_tokens` and an adaptive budget, `recompute_score_mass` and
+`recompute_min_ratio` (docs/rag.md; see `config.py`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import struct
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
-from ..config import check_layout, check_recompute
+from ..config import check_adaptive, check_layout, check_recompute
 from ..host_ints import int64_tensor
 from .token_cache import TokenCache
 
 # Per-prompt settings of a RAG prompt, each None for the engine's default.
 RAG_OPTIONS = ("position_strategy", "chunk_attention", "recompute", "recompute_ratio",
-               "recompute_sink_tokens")
+               "recompute_sink_tokens", "recompute_score_mass", "recompute_min_ratio")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +41,10 @@ class RAGPrompt:
     position_strategy: str | None = None  # "shared" | "sequential"; None: engine default
     chunk_attention: str | None = None  # "isolated" | "standalone"; None: engine default
     recompute: str | None = None  # config.RECOMPUTE_METHODS; None: engine default
-    recompute_ratio: float | None = None
+    recompute_ratio: float | None = None  # the most recomputed when the budget is adaptive
     recompute_sink_tokens: int | None = None
+    recompute_score_mass: float | None = None  # an adaptive budget (config.py)
+    recompute_min_ratio: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,8 @@ class ChunkedPrompt:
     recompute: str | None = None
     recompute_ratio: float | None = None
     recompute_sink_tokens: int | None = None
+    recompute_score_mass: float | None = None
+    recompute_min_ratio: float | None = None
 
     @property
     def is_rag(self) -> bool:
@@ -215,6 +220,7 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
         check_text("cache_salt", p.cache_salt)
     check_layout(p.position_strategy, p.chunk_attention, allow_default=True)
     check_recompute(p.recompute, p.recompute_ratio, p.recompute_sink_tokens, allow_default=True)
+    check_adaptive(p.recompute_score_mass, p.recompute_min_ratio, allow_default=True)
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:

@@ -3,7 +3,7 @@ against its layout and the model, and each scorer's check layers."""
 
 from __future__ import annotations
 
-from ..config import EngineConfig, check_recompute
+from ..config import EngineConfig, check_adaptive, check_recompute
 from .selection import RecomputeSpec
 
 # Check layers of `query` when none are configured, as fractions of the model's depth. Its
@@ -29,21 +29,30 @@ def check_layers_for(method: str, configured: tuple[int, ...] | None,
 
 
 def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None,
-                   sink_tokens: int | None, position_strategy: str,
-                   num_layers: int) -> RecomputeSpec | None:
-    """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens`, else the
-    engine's), or None; raises ValueError for one its layout or the model cannot do."""
+                   sink_tokens: int | None, position_strategy: str, num_layers: int,
+                   score_mass: float | None = None,
+                   min_ratio: float | None = None) -> RecomputeSpec | None:
+    """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens` and adaptive
+    budget, else the engine's), or None; raises ValueError for one its layout or the model
+    cannot do."""
     method = config.recompute if method is None else method
     ratio = config.recompute_ratio if ratio is None else ratio
     sink = config.recompute_sink_tokens if sink_tokens is None else sink_tokens
+    mass = config.recompute_score_mass if score_mass is None else score_mass
+    low = config.recompute_min_ratio if min_ratio is None else min_ratio
     check_recompute(method, ratio, sink)
+    check_adaptive(mass, low)
+    if mass is not None and low > ratio:
+        raise ValueError(f"recompute_min_ratio ({low:g}) must not exceed recompute_ratio "
+                         f"({ratio:g}), the most an adaptive budget recomputes")
     if method == "none":
         return None
     if position_strategy != "sequential":
         raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
                          f"layout, not with position_strategy={position_strategy!r}")
     return RecomputeSpec(method, float(ratio), sink,
-                         check_layers(method, config.recompute_check_layers, num_layers))
+                         check_layers(method, config.recompute_check_layers, num_layers),
+                         None if mass is None else float(mass), float(low))
 
 
 def check_layers(method: str, configured: tuple[int, ...] | None,

@@ -15,13 +15,19 @@ from ..inputs.layout import PromptLayout
 @dataclass(frozen=True, slots=True)
 class RecomputeSpec:
     """One request's selective recompute: `method` (config.RECOMPUTE_METHODS, not "none"), the
-    fraction `ratio` of chunk tokens recomputed, `sink_tokens` per chunk (None: ceil(ratio *
-    len) for `sink` alone, DEFAULT_SINK_TOKENS in a combination) and the probe's check layers."""
+    fraction `ratio` of chunk tokens recomputed (the most, with an adaptive budget),
+    `sink_tokens` per chunk (None: ceil(ratio * len) for `sink` alone, DEFAULT_SINK_TOKENS in a
+    combination) and the probe's check layers."""
 
     method: str
     ratio: float
     sink_tokens: int | None
     check_layers: tuple[int, ...]
+    # Adaptive budget: the fewest tokens (sinks included) holding this share of the scores'
+    # mass, within [min_ratio, ratio] of the chunk tokens; None: always `ratio`. Sink alone
+    # has no scores, so its budget is always `ratio`.
+    score_mass: float | None = None
+    min_ratio: float = 0.0
 
     @property
     def scorer(self) -> str | None:
@@ -55,9 +61,17 @@ class RecomputeSpec:
         return sorted(x for _, x in ranked[:budget])
 
     def needs_probe(self, layout: PromptLayout) -> bool:
-        """Whether choosing R needs the model (a scorer with budget left after the sinks)."""
+        """Whether choosing R needs the model: a scorer with budget left after the sinks, and
+        a choice to make (not every chunk token, as at r = 1)."""
         total = layout.question_start - layout.system_len
-        return self.scorer is not None and self.budget(total) > len(self.sink(layout))
+        return (self.scorer is not None and self.budget(total) > len(self.sink(layout))
+                and self._least(total) < total)
+
+    def _least(self, total: int) -> int:
+        """The fewest chunk tokens recomputed: all of the budget unless it is adaptive."""
+        if self.score_mass is None:
+            return self.budget(total)
+        return min(self.budget(total), math.ceil(self.min_ratio * total - 1e-9))
 
     def select(self, layout: PromptLayout, scores: torch.Tensor | None) -> tuple[int, ...]:
         """R as ascending flat indices. `scores`: one float per chunk token in flat order
@@ -67,13 +81,41 @@ class RecomputeSpec:
         s = layout.system_len
         total = layout.question_start - s
         rest = self.budget(total) - len(chosen) if self.scorer else 0
+        if self.scorer and self._least(total) >= total:
+            return tuple(range(s, s + total))  # every chunk token: no choice to make
         if rest > 0:
             if scores is None or scores.numel() != total:
                 raise ValueError(f"recompute={self.method!r} needs one score per chunk token "
                                  f"({total})")
             scores = scores.detach().double().cpu().clone()
+            if self.score_mass is not None:
+                rest = self._adaptive(scores, chosen, s, total, rest)
             if chosen:
                 scores[torch.tensor(chosen) - s] = -math.inf
             order = torch.sort(scores, descending=True, stable=True).indices[:rest]
             chosen = chosen + (order + s).tolist()
         return tuple(sorted(chosen))
+
+    def _adaptive(self, scores: torch.Tensor, chosen: list[int], start: int, total: int,
+                  most: int) -> int:
+        """How many scored tokens to add to the sinks `chosen`: the fewest, best first, that
+        bring the chosen tokens' share of the (non-negative) score mass to `score_mass`, but
+        at least min_ratio and at most `most`."""
+        mass = scores.clamp_min(0.0)
+        whole = float(mass.sum())
+        need = 0
+        if whole > 0.0:
+            # Scores come in float32: a share equal to the target within its rounding holds.
+            target = (self.score_mass - 1e-6) * whole
+            if chosen:
+                index = torch.tensor(chosen) - start
+                covered = float(mass[index].sum())
+                mass[index] = 0.0
+            else:
+                covered = 0.0
+            if covered < target:
+                ranked = torch.sort(mass, descending=True, stable=True).values
+                held = covered + torch.cumsum(ranked, 0)
+                need = int((held < target).sum()) + 1
+        least = math.ceil(self.min_ratio * total - 1e-9) - len(chosen)
+        return max(0, min(most, max(need, least)))

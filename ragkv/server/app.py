@@ -78,7 +78,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
         return JSONResponse({"object": "list", "data": [{
             "id": config.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "ragkv", "max_model_len": engine.engine.max_model_len,
-        }]})
+            "recompute": engine.engine.recompute_settings()}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -78,6 +78,8 @@ class _SamplingFields(BaseModel):
     recompute: Literal["none", "blend", "sink", "query", "sink+blend", "sink+query"] | None = None
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     recompute_sink_tokens: int | None = Field(default=None, ge=0)
+    recompute_score_mass: float | None = Field(default=None, gt=0.0, le=1.0)
+    recompute_min_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     user: str | None = None
     # Structured outputs: OpenAI's response_format (json_object, json_schema) and vLLM's
     # guided_json, guided_choice and structured_outputs (json, json_object, choice). Regex and
