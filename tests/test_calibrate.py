@@ -211,3 +211,21 @@ def test_eval_runs_the_calibrated_mode(cache_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))  # no profile there
     with pytest.raises(ValueError, match="no recompute profile for this model"):
         evaluate(llm, items, ["calibrated"], max_tokens=2, progress=False)
+
+
+def test_demo_runs_the_quality_mode_with_the_profile(calibrated, tmp_path):
+    """With a profile, `ragkv demo` answers again in the quality mode (sequential positions,
+    the profile's recompute) and checks those answers token for token against the caches off;
+    without one it says the mode is skipped."""
+    root, _ = calibrated
+    for cache, expect in ((root, "quality mode: 4/4 answers identical token for token"),
+                          (tmp_path, "Quality mode skipped: eval mode 'calibrated': no "
+                                     "recompute profile")):
+        r = subprocess.run([sys.executable, "-m", "ragkv", "demo", "--model", MODEL,
+                            "--num-requests", "4", "--max-tokens", "4"], capture_output=True,
+                           text=True, timeout=300, env={**os.environ,
+                                                        "RAGKV_CACHE_DIR": str(cache)})
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert expect in r.stdout
+        assert "4/4 answers identical token for token" in r.stdout
+    assert "% recomputed" not in r.stdout

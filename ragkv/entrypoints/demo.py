@@ -5,9 +5,11 @@ Each question is asked twice, with its documents (the ones that hold the answer 
 distractors) in different orders: the first round computes most documents' KV, the second finds
 them all in the chunk cache. The demo prints every answer and whether it contains the expected
 fact, cold vs warm time to first token and the hit rate; then it answers the same questions with
-full prefill (an ordinary prompt, documents attending to each other), and checks that every
-chunk-cache answer equals, token for token, the same prompt computed with the caches off: reuse
-is exact under its semantics, and full prefill shows what those semantics cost.
+full prefill (an ordinary prompt, documents attending to each other) and, when the model has a
+calibrated recompute profile, in the quality mode (sequential positions, the profile's
+selective recompute, on the cached documents), and checks that every chunk-cache and
+quality-mode answer equals, token for token, the same prompt computed with the caches off:
+reuse is exact under its semantics, and full prefill shows what those semantics cost.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import random
 import statistics
 
+from ..eval.modes import calibrated_mode
 from ..inputs.prompt import ChunkedPrompt
 from ..llm import LLM
 from ..model.loader import real_model_available
@@ -110,6 +113,8 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
                       for (qi, _, _), a in zip(requests, answers, strict=True))
     print(f"\nanswers containing the expected fact: chunk cache {chunk_found}/{num_requests}, "
           f"full prefill {full_found}/{num_requests}")
+    quality = _quality_mode(llm, requests, params)
+
 
     print("\nChecking exactness: the chunk-cache prompts with the chunk cache and prefix cache "
           "off...")
@@ -117,7 +122,48 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
     ref_outs = reference.generate([p for _, _, p in requests], params, use_tqdm=False)
     same = sum(r.outputs[0].token_ids == a[2] for r, a in zip(ref_outs, answers, strict=True))
     print(f"{same}/{len(answers)} answers identical token for token.")
-    return 0 if same == len(answers) else 1
+    if quality is None:
+        return 0 if same == len(answers) else 1
+    prompts, ids = quality
+    ref_outs = reference.generate(prompts, params, use_tqdm=False)
+    same_quality = sum(r.outputs[0].token_ids == got
+                       for r, got in zip(ref_outs, ids, strict=True))
+    print(f"quality mode: {same_quality}/{len(ids)} answers identical token for token.")
+    return 0 if same == len(answers) and same_quality == len(ids) else 1
+
+
+def _quality_mode(llm: LLM, requests: list, params: SamplingParams
+                  ) -> tuple[list, list[list[int]]] | None:
+    """The questions again in the quality mode: sequential positions and the model's
+    calibrated selective recompute (its profile), on the chunks the first pass cached. Prints
+    each answer and the recomputed share; returns the prompts and answers' token ids (None
+    when the model has no profile)."""
+    try:
+        mode = calibrated_mode(llm.engine)
+    except ValueError as e:
+        print(f"\nQuality mode skipped: {e}.")
+        return None
+    print(f"\nThe same questions in the quality mode ({mode.description}):")
+    prompts, ids, found, ttfts, recomputed, chunk_tokens = [], [], 0, [], 0, 0
+    for i, (qi, _, prompt) in enumerate(requests):
+        engine_prompt = mode.build(prompt, [])
+        out = llm.generate(engine_prompt, params, use_tqdm=False)[0]
+        m, text = out.metrics, out.outputs[0].text.strip()
+        share = m.num_recomputed_tokens / max(1, sum(map(len, prompt.chunks)))
+        recomputed += m.num_recomputed_tokens
+        chunk_tokens += sum(map(len, prompt.chunks))
+        ttfts.append(m.ttft)
+        hit = _found(text, QUESTIONS[qi].expected)
+        found += hit == "yes"
+        prompts.append(engine_prompt)
+        ids.append(out.outputs[0].token_ids)
+        print(f"{i:>3}  {share:>4.0%} recomputed {m.ttft * 1000:>8.1f} ms  {hit:>4}  "
+              f"{_one_line(text)}")
+    llm.check_integrity()
+    print(f"quality mode: {found}/{len(requests)} answers contain the expected fact, "
+          f"{recomputed / max(1, chunk_tokens):.0%} of the chunk tokens recomputed, mean TTFT "
+          f"{statistics.mean(ttfts) * 1000:.1f} ms (every document cached)")
+    return prompts, ids
 
 
 def _one_line(text: str, width: int = 90) -> str:
