@@ -11,6 +11,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -22,6 +23,10 @@ os.environ.setdefault("RAGKV_DEBUG_CHECKS", "1")
 # Tests compare against float32 references on the CPU; only GPU tests (marked `gpu`) ask for
 # CUDA by name. Without a GPU, Triton kernels run through Triton's interpreter.
 os.environ.setdefault("RAGKV_DEVICE", "cpu")
+# Engines with sequential positions load their model's calibrated recompute profile from the
+# profile directory: the tests' is empty, so a profile a developer calibrated never changes
+# what a test computes (tests of profiles point it elsewhere).
+os.environ.setdefault("RAGKV_PROFILE_DIR", tempfile.mkdtemp(prefix="ragkv-test-profiles-"))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -26,7 +26,7 @@ MODEL = "builtin:tiny"
 def calibrated(tmp_path_factory):
     """A cache directory holding builtin:tiny's profile, written by `ragkv calibrate`."""
     root = tmp_path_factory.mktemp("ragkv-cache")
-    env = {**os.environ, "RAGKV_CACHE_DIR": str(root)}
+    env = {**os.environ, "RAGKV_PROFILE_DIR": str(root / "profiles")}
     r = subprocess.run(
         [sys.executable, "-m", "ragkv", "calibrate", "--model", MODEL, "--device", "cpu",
          "--questions", "5", "--candidates", "blend@0.3,query@0.05:0.5:0.7",
@@ -42,7 +42,7 @@ def calibrated(tmp_path_factory):
 @pytest.fixture
 def cache_dir(calibrated, monkeypatch):
     root, path = calibrated
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(root))
+    monkeypatch.setenv("RAGKV_PROFILE_DIR", str(root / "profiles"))
     return path
 
 
@@ -208,7 +208,7 @@ def test_eval_runs_the_calibrated_mode(cache_dir, monkeypatch, tmp_path):
     recomputed = summary["calibrated"]["overall"]["recomputed_mean"]
     assert 0 < recomputed <= data["settings"]["recompute_ratio"] + 0.05
     llm.check_integrity()
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))  # no profile there
+    monkeypatch.setenv("RAGKV_PROFILE_DIR", str(tmp_path))  # no profile there
     with pytest.raises(ValueError, match="no recompute profile for this model"):
         evaluate(llm, items, ["calibrated"], max_tokens=2, progress=False)
 
@@ -218,13 +218,14 @@ def test_demo_runs_the_quality_mode_with_the_profile(calibrated, tmp_path):
     the profile's recompute) and checks those answers token for token against the caches off;
     without one it says the mode is skipped."""
     root, _ = calibrated
-    for cache, expect in ((root, "quality mode: 4/4 answers identical token for token"),
+    for cache, expect in ((root / "profiles",
+                           "quality mode: 4/4 answers identical token for token"),
                           (tmp_path, "Quality mode skipped: eval mode 'calibrated': no "
                                      "recompute profile")):
         r = subprocess.run([sys.executable, "-m", "ragkv", "demo", "--model", MODEL,
                             "--num-requests", "4", "--max-tokens", "4"], capture_output=True,
                            text=True, timeout=300, env={**os.environ,
-                                                        "RAGKV_CACHE_DIR": str(cache)})
+                                                        "RAGKV_PROFILE_DIR": str(cache)})
         assert r.returncode == 0, r.stdout + r.stderr
         assert expect in r.stdout
         assert "4/4 answers identical token for token" in r.stdout

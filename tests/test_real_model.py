@@ -205,7 +205,7 @@ def test_calibration_on_the_real_model(llm, tmp_path):
 
 def test_the_shipped_profile_is_smollm2s_and_loads_by_itself(llm, tmp_path, monkeypatch):
     """The package ships SmolLM2's profile, named by the installed file's fingerprint: an engine
-    with sequential positions and no recompute settings uses it (with an empty cache
+    with sequential positions and no recompute settings uses it (with an empty profile
     directory), and its curve is the one it was chosen from."""
     from ragkv.recompute.profile import SHIPPED, profile_name, read_profile
 
@@ -214,7 +214,7 @@ def test_the_shipped_profile_is_smollm2s_and_loads_by_itself(llm, tmp_path, monk
     profile = read_profile(shipped, fingerprint)
     assert profile.data["model"] == MODEL and profile.data["calibration"]["questions"] >= 60
     assert profile.data["chosen"] in {p["mode"] for p in profile.data["curve"]}
-    monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("RAGKV_PROFILE_DIR", str(tmp_path))
     sequential = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024,
                      position_strategy="sequential")
     assert sequential.engine.recompute_profile.path == str(shipped)

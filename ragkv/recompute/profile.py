@@ -59,8 +59,10 @@ class RecomputeProfile:
 
 
 def profile_dir() -> Path:
-    """Where `ragkv calibrate` writes profiles by default: $RAGKV_CACHE_DIR/profiles."""
-    return cache_root() / "profiles"
+    """Where `ragkv calibrate` writes profiles and engines look first: $RAGKV_PROFILE_DIR,
+    else $RAGKV_CACHE_DIR/profiles."""
+    own = os.environ.get("RAGKV_PROFILE_DIR")
+    return Path(own).expanduser() if own else cache_root() / "profiles"
 
 
 def profile_name(fingerprint: str) -> str:
