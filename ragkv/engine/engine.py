@@ -64,7 +64,6 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.checkpoint = checkpoint = inspect_checkpoint(config.model)
         # Every recompute setting made concrete, from the model's calibrated profile where the
         # user left them unset.

@@ -115,7 +115,6 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
           f"full prefill {full_found}/{num_requests}")
     quality = _quality_mode(llm, requests, params)
 
-
     print("\nChecking exactness: the chunk-cache prompts with the chunk cache and prefix cache "
           "off...")
     reference = LLM(model, enable_chunk_cache=False, enable_prefix_caching=False)
@@ -149,9 +148,10 @@ def _quality_mode(llm: LLM, requests: list, params: SamplingParams
         engine_prompt = mode.build(prompt, [])
         out = llm.generate(engine_prompt, params, use_tqdm=False)[0]
         m, text = out.metrics, out.outputs[0].text.strip()
-        share = m.num_recomputed_tokens / max(1, sum(map(len, prompt.chunks)))
+        tokens = sum(map(len, prompt.chunks))
+        share = m.num_recomputed_tokens / max(1, tokens)
         recomputed += m.num_recomputed_tokens
-        chunk_tokens += sum(map(len, prompt.chunks))
+        chunk_tokens += tokens
         ttfts.append(m.ttft)
         hit = _found(text, QUESTIONS[qi].expected)
         found += hit == "yes"

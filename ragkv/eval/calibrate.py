@@ -29,7 +29,7 @@ from ..llm import LLM
 from ..recompute.policy import check_layers_for
 from ..recompute.profile import FORMAT, VERSION
 from .evaluate import EvalResult, evaluate, pick_items, summarize
-from .modes import REFERENCE, get_mode
+from .modes import REFERENCE, get_mode, recompute_mode_settings
 from .suite import TASKS, build_suite
 
 # The calibration split: a suite seed `ragkv eval` does not use by default (eval's is 0).
@@ -80,16 +80,10 @@ def within_noise(reference_only: int, mode_only: int) -> bool:
 
 def mode_settings(name: str, num_layers: int, configured_layers: tuple[int, ...] | None
                   ) -> dict:
-    """The engine settings (EngineConfig fields) of the recompute mode `name`."""
-    method, _, budget = name.partition("@")
-    numbers = [float(x) for x in budget.split(":")]
-    settings: dict = {"recompute": method}
-    if len(numbers) == 1:
-        settings["recompute_ratio"] = numbers[0]
-    else:
-        low, high, mass = numbers
-        settings.update(recompute_ratio=high, recompute_min_ratio=low,
-                        recompute_score_mass=mass)
+    """The engine settings (EngineConfig fields) of the recompute mode `name`, with the check
+    layers its scorer probes on this model."""
+    settings = recompute_mode_settings(name)
+    method = settings["recompute"]
     if method != "sink":
         settings["recompute_check_layers"] = list(check_layers_for(method, configured_layers,
                                                                    num_layers))

@@ -51,6 +51,22 @@ def recompute_mode(name: str) -> EvalMode:
     LOW and HIGH of the chunk tokens. Scoring appends the gold answer to the question; the
     engine's query probe leaves scored tokens out, so the choice is the same as for the
     generation."""
+    settings = recompute_mode_settings(name)
+    method, high = settings["recompute"], settings["recompute_ratio"]
+    if "recompute_score_mass" not in settings:
+        description = f"recompute={method} of {high:g} of the chunk tokens"
+    else:
+        description = (f"recompute={method} of the fewest chunk tokens holding "
+                       f"{settings['recompute_score_mass']:g} of the scores, "
+                       f"{settings['recompute_min_ratio']:g} to {high:g} of them")
+    return EvalMode(name, f"sequential-isolated reuse, {description}",
+                    _layout("sequential", "isolated", **settings))
+
+
+def recompute_mode_settings(name: str) -> dict:
+    """The request settings (RAGPrompt fields) of the recompute mode `name`, checked:
+    `recompute` and `recompute_ratio`, and for an adaptive budget `recompute_min_ratio` and
+    `recompute_score_mass`."""
     method, _, budget = name.partition("@")
     try:
         numbers = [float(x) for x in budget.split(":")]
@@ -60,21 +76,15 @@ def recompute_mode(name: str) -> EvalMode:
         raise ValueError(f"eval mode {name!r}: after '@' comes a ratio (blend@0.15) or "
                          "LOW:HIGH:MASS for an adaptive budget (query@0.05:0.3:0.8)")
     if len(numbers) == 1:
-        ratio, = numbers
-        check_recompute(method, ratio, None)
-        return EvalMode(name, f"sequential-isolated reuse, recompute={method} of "
-                              f"{ratio:g} of the chunk tokens",
-                        _layout("sequential", "isolated", recompute=method,
-                                recompute_ratio=ratio))
+        check_recompute(method, numbers[0], None)
+        return {"recompute": method, "recompute_ratio": numbers[0]}
     low, high, mass = numbers
     check_recompute(method, high, None)
     check_adaptive(mass, low)
     if low > high:
         raise ValueError(f"eval mode {name!r}: LOW must not exceed HIGH")
-    return EvalMode(name, f"sequential-isolated reuse, recompute={method} of the fewest chunk "
-                          f"tokens holding {mass:g} of the scores, {low:g} to {high:g} of them",
-                    _layout("sequential", "isolated", recompute=method, recompute_ratio=high,
-                            recompute_min_ratio=low, recompute_score_mass=mass))
+    return {"recompute": method, "recompute_ratio": high, "recompute_min_ratio": low,
+            "recompute_score_mass": mass}
 
 
 # The mode of the model's calibrated recompute profile (recompute/profile.py).

@@ -41,8 +41,8 @@ class RecomputeSpec:
         return max(self.check_layers) + 1
 
     def budget(self, num_chunk_tokens: int) -> int:
-        """Tokens recomputed in all: ceil(ratio * n) (the epsilon keeps 0.15 * 100 at 15)."""
-        return min(num_chunk_tokens, math.ceil(self.ratio * num_chunk_tokens - 1e-9))
+        """Tokens recomputed in all (the most, with an adaptive budget): ceil(ratio * n)."""
+        return _share(self.ratio, num_chunk_tokens)
 
     def sink(self, layout: PromptLayout) -> list[int]:
         """Flat indices of the sink tokens, for the methods that take them."""
@@ -71,7 +71,7 @@ class RecomputeSpec:
         """The fewest chunk tokens recomputed: all of the budget unless it is adaptive."""
         if self.score_mass is None:
             return self.budget(total)
-        return min(self.budget(total), math.ceil(self.min_ratio * total - 1e-9))
+        return min(self.budget(total), _share(self.min_ratio, total))
 
     def select(self, layout: PromptLayout, scores: torch.Tensor | None) -> tuple[int, ...]:
         """R as ascending flat indices. `scores`: one float per chunk token in flat order
@@ -117,5 +117,10 @@ class RecomputeSpec:
                 ranked = torch.sort(mass, descending=True, stable=True).values
                 held = covered + torch.cumsum(ranked, 0)
                 need = int((held < target).sum()) + 1
-        least = math.ceil(self.min_ratio * total - 1e-9) - len(chosen)
+        least = _share(self.min_ratio, total) - len(chosen)
         return max(0, min(most, max(need, least)))
+
+
+def _share(fraction: float, n: int) -> int:
+    """ceil(fraction * n) tokens of n (the epsilon keeps 0.15 * 100 at 15)."""
+    return min(n, math.ceil(fraction * n - 1e-9))
