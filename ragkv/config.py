@@ -191,10 +191,8 @@ def check_recompute(method: object, ratio: object, sink_tokens: object,
     if method not in RECOMPUTE_METHODS and not (allow_default and method is None):
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_METHODS)}, got "
                          f"{method!r}")
-    if not (allow_default and ratio is None) and (
-            isinstance(ratio, bool) or not isinstance(ratio, (int, float))
-            or not 0.0 <= ratio <= 1.0):
-        raise ValueError(f"recompute_ratio must be a number in [0, 1], got {ratio!r}")
+    if not (allow_default and ratio is None):
+        _check_fraction("recompute_ratio", ratio)
     if sink_tokens is not None and (isinstance(sink_tokens, bool)
                                     or not isinstance(sink_tokens, int) or sink_tokens < 0):
         raise ValueError(f"recompute_sink_tokens must be an integer >= 0 or None, got "
@@ -209,10 +207,14 @@ def check_adaptive(score_mass: object, min_ratio: object, allow_default: bool = 
                                    or not 0.0 < score_mass <= 1.0):
         raise ValueError(f"recompute_score_mass must be a number in (0, 1] or None, got "
                          f"{score_mass!r}")
-    if not (allow_default and min_ratio is None) and (
-            isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float))
-            or not 0.0 <= min_ratio <= 1.0):
-        raise ValueError(f"recompute_min_ratio must be a number in [0, 1], got {min_ratio!r}")
+    if not (allow_default and min_ratio is None):
+        _check_fraction("recompute_min_ratio", min_ratio)
+
+
+def _check_fraction(name: str, value: object) -> None:
+    """`value` must be a number (not a bool) in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
