@@ -9,7 +9,10 @@ question is computed. The bound is the FLOP ratio of the two (full prefill FLOPs
 only FLOPs over the same context, ragkv/bench/flops.py). HF transformers computing the same
 prompt with the reference mask is timed alongside. Warm TTFT, and the decode step of a batch
 of 8 warm requests, are then measured for each layout (shared or sequential positions, isolated or
-standalone chunks), interleaved.
+standalone chunks), interleaved. Every request here reuses its chunks exactly, with no
+selective recompute: the engine runs with shared positions as its default layout (its own
+default, the quality mode, recomputes chunk tokens), and the layouts are asked with
+`recompute="none"`.
 
 Re-positioning: S + a 16-token document + a long document (default 4,096 tokens) + the
 question. Under `shared` positions the long document's cached keys are used where they were
@@ -51,8 +54,9 @@ def main() -> None:
     from ragkv.bench.offline import reference_inputs
     from ragkv.bench.workload import BenchRequest
 
+    # Shared positions, no recompute: "warm" computes the question only (exact chunk reuse).
     llm = LLM(args.model, max_num_batched_tokens=max(4096, args.long_doc_tokens + 64),
-              max_chunk_tokens=max(4096, args.long_doc_tokens))
+              max_chunk_tokens=max(4096, args.long_doc_tokens), position_strategy="shared")
     mc = llm.engine.model_config
     rng = random.Random(0)
 
@@ -145,7 +149,8 @@ def layout_ttfts(llm, system, docs, tokens, args) -> dict:
         order = docs[:]
         rng.shuffle(order)
         prompt = RAGPrompt(system, order, tokens(args.question_tokens),
-                           position_strategy=layout[0], chunk_attention=layout[1])
+                           position_strategy=layout[0], chunk_attention=layout[1],
+                           recompute="none")
         out = llm.generate(prompt, one, use_tqdm=False)[0]
         assert out.metrics.num_chunk_misses == 0 or not times[layout], "not warm"
         return out.metrics.ttft
@@ -160,7 +165,8 @@ def layout_ttfts(llm, system, docs, tokens, args) -> dict:
             order = docs[:]
             rng.shuffle(order)
             prompts.append(RAGPrompt(system, order, tokens(args.question_tokens),
-                                     position_strategy=layout[0], chunk_attention=layout[1]))
+                                     position_strategy=layout[0], chunk_attention=layout[1],
+                                     recompute="none"))
         outs = llm.generate(prompts, decode, use_tqdm=False)
         first = max(o.metrics.first_token_time for o in outs)
         last = max(o.metrics.last_token_time for o in outs)
@@ -197,7 +203,7 @@ def reposition_cost(llm, tokens, args) -> dict:
 
     def prompt(strategy: str) -> RAGPrompt:
         return RAGPrompt(system, [short, long], tokens(args.question_tokens),
-                         position_strategy=strategy)
+                         position_strategy=strategy, recompute="none")
 
     def cold() -> float:
         llm.clear_chunk_cache()

@@ -9,7 +9,10 @@ sequential layout: all documents in the chunk cache, in a new order, with a new 
 request computes its probe (blend, query), its recomputed chunk tokens and the question. The
 bound of a point is full prefill FLOPs over that work's FLOPs (`bench/flops.py`:
 `recompute_flops`, recomputed tokens spread evenly over the documents). Runs are interleaved
-over the points, and the medians are reported.
+over the points, and the medians are reported. The engine's own recompute is off
+(`recompute="none"`: its default, the quality mode, would recompute an adaptive budget), so
+each point recomputes only what it names (a fixed budget of r), at the method's default
+check layers, and the request that puts the documents in the cache recomputes nothing.
 
     python benchmarks/bench_recompute.py --model builtin:small
 """
@@ -41,7 +44,9 @@ def main() -> None:
     from ragkv.bench.flops import full_prefill_flops, recompute_flops
     from ragkv.recompute.policy import check_layers_for
 
-    llm = LLM(args.model, max_num_batched_tokens=4096, position_strategy="sequential")
+    # Sequential positions without a recompute of the engine's own: each point names its own.
+    llm = LLM(args.model, max_num_batched_tokens=4096, position_strategy="sequential",
+              recompute="none")
     mc = llm.engine.model_config
     rng = random.Random(0)
 

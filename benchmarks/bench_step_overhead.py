@@ -7,9 +7,10 @@ engine does around it, which must not grow with a request's context or output le
 - output: B streaming requests (include_unfinished=True, as the server runs), per-step ms over
   their first and last steps as their outputs grow to N tokens;
 - warm RAG: one request of a 128-token system prompt, 8 cached 512-token chunks in a new
-  order and a new 64-token question, one output token, through `LLM.generate` (ms per request:
-  everything the host does before and after the model's one step, which on a GPU the device
-  waits for; the backend's metadata is left out too, since a CUDA graph replaces it there).
+  order and a new 64-token question (shared positions, no recompute: exact chunk reuse), one
+  output token, through `LLM.generate` (ms per request: everything the host does before and
+  after the model's one step, which on a GPU the device waits for; the backend's metadata is
+  left out too, since a CUDA graph replaces it there).
 - warm RAG as text: the same request shape sent as text (`system ## doc ## ... ## question`,
   the built-in tokenizer, or --text-model's), side by side with the tokenizer cache on (the
   default) and off: the documents' tokenization is host work of every request unless cached.
@@ -59,8 +60,11 @@ def stub_model(llm: LLM) -> None:
 
 def warm_rag_engine(path: str, **kwargs) -> LLM:
     """An engine for the warm RAG scenarios: the model and the backend's attention metadata
-    stubbed out (a CUDA graph replaces the metadata on a GPU)."""
-    llm = LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192, **kwargs)
+    stubbed out (a CUDA graph replaces the metadata on a GPU). Shared positions, no recompute:
+    a warm request computes its question only (the quality mode's probe and recomputed chunk
+    tokens are model work, not the host work timed here)."""
+    llm = LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192,
+              position_strategy="shared", **kwargs)
     stub_model(llm)
     llm.engine.runner.backend.prepare = lambda meta: None
     return llm

@@ -25,6 +25,10 @@ start-up costs in the measured requests; the first measured request computes S o
 Requests take the corpus in a shuffled order without repeating a document until every
 document has been used, so by default every chunk a replica sees is a first sight.
 
+Every engine (replicas included) runs with shared positions and no recompute, so a cached
+chunk is used as it is and what is timed is fetching or computing chunks (the engine's own
+default, the quality mode, would also recompute chunk tokens of every request).
+
 A private `redis-server` (no persistence) is started on a free loopback port when one is on
 PATH; `--redis-url` uses yours instead, `--no-redis` skips Redis. Every run uses a fresh
 `cache_salt`, so entries left in a Redis by an earlier run are never hits.
@@ -142,7 +146,8 @@ def load_vs_recompute(args, tiers: list[str], workdir: str, redis_url: str | Non
 
     specs = {"host": f"host:{HOST_CAP}", "disk": f"disk:{os.path.join(workdir, 'disk')}:"
              f"{DISK_CAP}", "redis": redis_url}
-    common = {"device": args.device, "dtype": args.dtype}
+    # Shared positions, no recompute: the chunk is fetched or computed, nothing more.
+    common = {"device": args.device, "dtype": args.dtype, "position_strategy": "shared"}
     llms = {"recompute": LLM(args.model, **common)}
     for tier in tiers:
         llms[tier] = LLM(args.model, chunk_store=specs[tier], **common)
@@ -255,7 +260,7 @@ def second_replica(args, spec: str, kind: str, workdir: str) -> dict:
     from ragkv import LLM, RAGPrompt, SamplingParams
 
     llm = LLM(args.model, chunk_store=spec, device=args.device, dtype=args.dtype,
-              max_num_batched_tokens=4096)
+              max_num_batched_tokens=4096, position_strategy="shared")
     vocab = llm.engine.model_config.vocab_size
     rng = random.Random(1)
 
@@ -363,7 +368,7 @@ def replica_worker(path: str) -> None:
     with open(path) as f:
         job = json.load(f)
     llm = LLM(job["model"], chunk_store=job["store"], device=job["device"], dtype=job["dtype"],
-              max_num_batched_tokens=4096)
+              max_num_batched_tokens=4096, position_strategy="shared")
     start_s = time.perf_counter() - start
     one = SamplingParams(max_tokens=1, temperature=0.0)
     w = job["warmup"]

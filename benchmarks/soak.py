@@ -4,17 +4,20 @@ included; no request may stall the others, none may be lost, and memory must not
 Starts `ragkv serve MODEL` on a free loopback port and runs `--clients` concurrent clients for
 `--minutes`, each looping over a random mix of:
 - plain completions (streamed; their TTFT is the latency figure);
-- RAG chats with 2-4 documents of the demo corpus (`documents`), streamed or not;
-- the same with selective recompute (`recompute`: sink+query or blend, r = 0.15);
+- RAG chats with 2-4 documents of the demo corpus (`documents`), streamed or not, in the
+  server's default RAG mode (the quality mode unless --serve-args says otherwise: sequential
+  positions with the model's calibrated selective recompute, else the model-agnostic one);
+- the same naming their own recompute (`recompute`: sink+query or blend, a fixed r = 0.15);
 - structured outputs (a small JSON schema, `response_format`);
 - penalties and logit_bias;
 - streams the client cuts after two chunks;
 - hostile structured outputs (unless --no-hostile): a $ref diamond of 22 levels, a chain of 280
   refs, an ambiguous recursive anyOf pushed by logit_bias: a 400 or a fast finish is right.
-Reported: requests by kind and status, lost (no response within --timeout), 5xx, the server's
-RSS (sampled every 5 s: growth after the first minute), the pool back at its baseline after the
-load (kv usage, running and waiting requests, /debug/integrity), and the p50/p99 TTFT of plain
-requests against an unloaded run measured first.
+Reported: the server's default RAG mode (from /v1/models), requests by kind and status, lost
+(no response within --timeout), 5xx, the server's RSS (sampled every 5 s: growth after the
+first minute), the pool back at its baseline after the load (kv usage, running and waiting
+requests, /debug/integrity), and the p50/p99 TTFT of plain requests against an unloaded run
+measured first.
 
 The KV pool is allocated untouched (torch.empty) and its pages enter the RSS as slots are
 first used, so with the default 2 GiB pool the RSS climbs for many minutes without any leak;
@@ -307,6 +310,8 @@ def main() -> None:
         tokenizer = load_tokenizer(resolve_model_path(args.model))
         args.bracket_token = tokenizer.encode("[", add_special_tokens=False)[0]
         result = asyncio.run(run(args, base, server.pid, model))
+        # What the `rag` requests got: the server's default layout and recompute.
+        result["rag_default"] = models["data"][0].get("recompute")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -320,6 +325,11 @@ def main() -> None:
           f"plain p99 TTFT {result['plain_ttft_loaded_s']['p99'] * 1e3:.0f} ms loaded vs "
           f"{result['plain_ttft_unloaded_s']['p99'] * 1e3:.0f} ms unloaded ({ratio:.1f}x), "
           f"integrity {result['integrity']}")
+    rag = result["rag_default"] or {}
+    print(f"RAG chats in the server's default mode: positions {rag.get('position_strategy')}, "
+          f"recompute {rag.get('recompute')} (ratio {rag.get('recompute_ratio')}, min ratio "
+          f"{rag.get('recompute_min_ratio')}, score mass {rag.get('recompute_score_mass')}; "
+          f"{rag.get('source')})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -36,8 +36,10 @@ DEFAULT_GPU_KV_FRACTION = 0.85
 POSITION_STRATEGIES = ("shared", "sequential")
 CHUNK_ATTENTIONS = ("isolated", "standalone")
 # Selective recompute (recompute/): which chunk tokens of a sequential layout are recomputed
-# with full attention. "sink+X" takes each chunk's first tokens, then X's best to the budget.
-RECOMPUTE_METHODS = ("none", "blend", "sink", "query", "sink+blend", "sink+query")
+# with full attention. "sink+X" takes each chunk's first tokens, then X's best to the budget;
+# "query+blend" scores by both scorers, each's scores a share of its total.
+RECOMPUTE_METHODS = ("none", "blend", "sink", "query", "sink+blend", "sink+query",
+                     "query+blend")
 # Sink tokens per chunk in a combination ("sink+blend", "sink+query") when none are given:
 # EPIC finds a handful at each chunk start enough to remove the false attention sinks.
 DEFAULT_SINK_TOKENS = 4
@@ -77,16 +79,19 @@ class EngineConfig:
     # Default layout of a RAG prompt; a request may choose another (RAGPrompt, extra_body).
     # shared: every chunk at positions right after S; sequential: one after another, as in
     # an ordinary prompt. isolated: a chunk sees S and itself; standalone: itself only.
-    position_strategy: str = "shared"
+    # None: the quality default, sequential with selective recompute (below); shared for a
+    # model whose RoPE cannot turn cached keys to new positions (dynamic NTK).
+    position_strategy: str | None = None
     chunk_attention: str = "isolated"
     # Selective recompute of chunk tokens (sequential positions only; a request may choose
     # its own): the method, the fraction r of chunk tokens recomputed, k sink tokens per
     # chunk (None: ceil(r * len) for `sink` alone, DEFAULT_SINK_TOKENS in combinations), and
     # the layers whose K/V deviation (`blend`) or question attention (`query`) scores tokens
     # (None: each scorer's own, recompute/policy.py: check_layers_for).
-    # `recompute` None: the model's calibrated profile (recompute/profile.py) with
-    # sequential positions, else "none"; the other settings left None come from the profile
-    # too, else default to ratio 0.15, min ratio 0 and a fixed budget.
+    # `recompute` None: with sequential positions the model's calibrated profile
+    # (recompute/profile.py), else the measured model-agnostic setting there; with shared
+    # positions "none". The other settings left None come from the same place, else default
+    # to ratio 0.15, min ratio 0 and a fixed budget.
     recompute: str | None = None
     recompute_ratio: float | None = None
     recompute_sink_tokens: int | None = None
@@ -136,14 +141,14 @@ class EngineConfig:
         if self.oversize_chunk not in ("error", "split"):
             raise ValueError(f"oversize_chunk must be 'error' or 'split', got "
                              f"{self.oversize_chunk!r}")
-        check_layout(self.position_strategy, self.chunk_attention)
+        check_layout(self.position_strategy or "sequential", self.chunk_attention)
         check_recompute(self.recompute, self.recompute_ratio, self.recompute_sink_tokens,
                         allow_default=True)
         check_adaptive(self.recompute_score_mass, self.recompute_min_ratio, allow_default=True)
         if self.recompute_profile is not None and not isinstance(self.recompute_profile, str):
             raise ValueError(f"recompute_profile must be 'auto', a path or None, got "
                              f"{self.recompute_profile!r}")
-        if self.recompute not in (None, "none") and self.position_strategy != "sequential":
+        if self.recompute not in (None, "none") and self.position_strategy == "shared":
             raise ValueError(f"recompute={self.recompute!r} recomputes chunk tokens in the "
                              "sequential layout: set position_strategy='sequential'")
         layers = self.recompute_check_layers

@@ -1,7 +1,7 @@
 """`ragkv calibrate` and recompute profiles: a profile is written keyed to the model, found and
-applied by an engine of that model with sequential positions (the user's own settings winning),
-never applied to another model, and refused when corrupt; the choice of the cheapest setting
-meeting the target."""
+applied by an engine of that model with sequential positions, the default (the user's own
+settings winning), never applied to another model, and refused when corrupt; the choice of the
+cheapest setting meeting the target."""
 
 from __future__ import annotations
 
@@ -79,13 +79,19 @@ def test_users_settings_win_and_shared_positions_use_no_profile(cache_dir):
     assert own.engine.recompute_profile is not None
     assert own.engine.config.recompute_ratio == 0.9
     assert own.engine.config.recompute == data["settings"]["recompute"]
-    for kwargs in ({"position_strategy": "sequential", "recompute": "sink"},
-                   {"position_strategy": "shared"},
-                   {"position_strategy": "sequential", "recompute_profile": None}):
+    default = LLM(MODEL, device="cpu")  # the quality mode: sequential with the profile
+    assert default.engine.recompute_profile is not None
+    assert default.engine.config.position_strategy == "sequential"
+    assert default.engine.config.recompute == data["settings"]["recompute"]
+    assert default.engine.recompute_settings()["source"] == "profile"
+    for kwargs, method, ratio, source in (
+            ({"position_strategy": "sequential", "recompute": "sink"}, "sink", 0.15, "config"),
+            ({"position_strategy": "shared"}, "none", 0.15, "config"),
+            ({"recompute_profile": None}, "query", 0.5, "model-agnostic")):
         llm = LLM(MODEL, device="cpu", **kwargs)
         assert llm.engine.recompute_profile is None, kwargs
-        assert llm.engine.config.recompute == kwargs.get("recompute", "none")
-        assert llm.engine.config.recompute_ratio == 0.15
+        assert (llm.engine.config.recompute, llm.engine.config.recompute_ratio,
+                llm.engine.recompute_source) == (method, ratio, source), kwargs
 
 
 def test_another_models_profile_is_never_used(cache_dir, tmp_path):
@@ -127,7 +133,8 @@ def test_a_corrupt_profile_is_refused(cache_dir, tmp_path, caplog, damage, fragm
         with caplog.at_level(logging.WARNING, logger="ragkv"):
             llm = LLM(MODEL, device="cpu", position_strategy="sequential")
         assert llm.engine.recompute_profile is None
-        assert llm.engine.config.recompute == "none"
+        assert (llm.engine.config.recompute, llm.engine.recompute_source) == (
+            "query", "model-agnostic")
         assert any(fragment in r.getMessage() and "not used" in r.getMessage()
                    for r in caplog.records)
     finally:
@@ -214,19 +221,19 @@ def test_eval_runs_the_calibrated_mode(cache_dir, monkeypatch, tmp_path):
 
 
 def test_demo_runs_the_quality_mode_with_the_profile(calibrated, tmp_path):
-    """With a profile, `ragkv demo` answers again in the quality mode (sequential positions,
-    the profile's recompute) and checks those answers token for token against the caches off;
-    without one it says the mode is skipped."""
-    root, _ = calibrated
-    for cache, expect in ((root / "profiles",
-                           "quality mode: 4/4 answers identical token for token"),
-                          (tmp_path, "Quality mode skipped: eval mode 'calibrated': no "
-                                     "recompute profile")):
+    """`ragkv demo` answers in the default mode: with a profile, its settings (and the demo
+    says so); without one, the model-agnostic default. Either way its answers equal, token
+    for token, the same prompts with the caches off."""
+    root, path = calibrated
+    for cache, expect in ((root / "profiles", f"(calibrated profile {path})"),
+                          (tmp_path, "(no calibrated profile for this model: the "
+                                     "model-agnostic default)")):
         r = subprocess.run([sys.executable, "-m", "ragkv", "demo", "--model", MODEL,
                             "--num-requests", "4", "--max-tokens", "4"], capture_output=True,
                            text=True, timeout=300, env={**os.environ,
                                                         "RAGKV_PROFILE_DIR": str(cache)})
         assert r.returncode == 0, r.stdout + r.stderr
+        assert "Default RAG mode: positions sequential" in r.stdout
         assert expect in r.stdout
-        assert "4/4 answers identical token for token" in r.stdout
-    assert "% recomputed" not in r.stdout
+        assert "default mode: 4/4 answers identical token for token" in r.stdout
+        assert "exact chunk reuse: 4/4 answers identical token for token" in r.stdout

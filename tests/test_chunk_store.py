@@ -1012,7 +1012,7 @@ import json, sys
 from ragkv import LLM, RAGPrompt, SamplingParams
 path, url, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 prompts = [RAGPrompt(*p) for p in json.loads(sys.argv[4])]
-llm = LLM(path, kv_cache_tokens=1024, chunk_store=url)
+llm = LLM(path, kv_cache_tokens=1024, chunk_store=url, position_strategy="shared")
 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 outs = llm.generate(prompts, params, use_tqdm=False)
 llm.engine.flush_chunk_store()

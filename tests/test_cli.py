@@ -10,7 +10,7 @@ import sys
 import pytest
 from reference import causal_layout, layout_reference, reference_greedy
 
-from ragkv import LLM
+from ragkv import LLM, SamplingParams
 from ragkv.entrypoints.demo import _requests
 
 # Chunks long enough that the four layouts give four different greedy continuations on the
@@ -67,11 +67,12 @@ def test_generate_json_rag_prompt():
 
 
 def test_generate_with_a_layout(llama):
-    """--position-strategy and --chunk-attention reach the engine: without them the tokens are
+    """--position-strategy and --chunk-attention reach the engine: with `shared` the tokens are
     HF's one-pass reference (reference.py) of shared positions and isolated chunks, with
-    `sequential` and `standalone` that of the sequential-standalone layout, and the four
-    layouts' references all differ, so dropping either flag gives other tokens. A bad name
-    exits 2."""
+    `sequential`, `standalone` and no recompute that of the sequential-standalone layout, and
+    the four layouts' references all differ, so dropping either flag gives other tokens.
+    Without flags the prompt gets the quality mode, the same tokens as its settings named.
+    A bad name exits 2."""
     path, hf, llm = llama
     prompt = llm.engine.process_prompt(RAG_TEXT)
     want = {layout: reference_tokens(hf, prompt, layout)
@@ -79,9 +80,13 @@ def test_generate_with_a_layout(llama):
                            ("sequential", "isolated"), ("sequential", "standalone"))}
     assert len({tuple(ids) for ids in want.values()}) == 4
     n = len(prompt.token_ids)
-    assert generated_ids(path, n) == want["shared", "isolated"]
-    assert generated_ids(path, n, "--position-strategy", "sequential",
+    assert generated_ids(path, n, "--position-strategy", "shared") == want["shared", "isolated"]
+    assert generated_ids(path, n, "--position-strategy", "sequential", "--recompute", "none",
                          "--chunk-attention", "standalone") == want["sequential", "standalone"]
+    assert generated_ids(path, n) == generated_ids(
+        path, n, "--position-strategy", "sequential", "--recompute", "query",
+        "--recompute-ratio", "0.5", "--recompute-min-ratio", "0.1",
+        "--recompute-score-mass", "0.9")
     r = ragkv("generate", "--model", "builtin:tiny", "--prompt", RAG_TEXT,
               "--position-strategy", "zigzag")
     assert r.returncode == 2 and "position-strategy" in r.stderr
@@ -107,7 +112,8 @@ def test_generate_with_selective_recompute(llama):
     r = ragkv("generate", "--model", path, "--prompt", RAG_TEXT, "--position-strategy",
               "sequential", "--recompute", "blend", "--recompute-check-layers", "0,5")
     assert r.returncode == 2 and "names layer 5; the model has layers 0 .. 1" in r.stderr
-    r = ragkv("generate", "--model", "builtin:tiny", "--prompt", RAG_TEXT, "--recompute", "blend")
+    r = ragkv("generate", "--model", "builtin:tiny", "--prompt", RAG_TEXT, "--recompute", "blend",
+              "--position-strategy", "shared")
     assert r.returncode != 0 and "position_strategy='sequential'" in r.stderr
 
 
@@ -117,29 +123,41 @@ def test_generate_bad_model_is_a_clear_error():
     assert "does not exist" in r.stderr
 
 
-DEMO_ROW = re.compile(r"^ *(\d+)  (\S+) +(\d+)/(\d+) +[\d.]+ +(?:yes|no)  (.*)$")
+DEMO_ROW = re.compile(r"^ *(\d+)  (\S+) +(\d+)/(\d+) +(\d+)% +[\d.]+ +(?:yes|no)  (.*)$")
+EXACT_ROW = re.compile(r"^ *(\d+)  exact +[\d.]+ +(?:yes|no)  (.*)$")
 
 
 def test_demo_answers_match_reference(llama):
-    """The demo's chunk-cache answers, cold and warm, are HF's one-pass reference answers
-    (reference.py) of its prompts in the engine's default layout (shared positions, isolated
-    chunks), decoded and printed as the demo prints them; and its own check (the same prompts
-    with the caches off) reports every answer identical."""
+    """The demo answers in the engine's default mode (sequential positions, the model-agnostic
+    adaptive recompute: 10% to 50% of the document tokens), cold and warm; each printed answer
+    equals the same prompt computed with the caches off (an engine built here, and the demo's
+    own check). Its exact-reuse answers (shared positions, no recompute) are HF's one-pass
+    reference answers, decoded and printed as the demo prints them."""
     path, hf, llm = llama
     r = ragkv("demo", "--model", path, "--num-requests", "4", "--max-tokens", "4")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "4/4 answers identical token for token" in r.stdout
+    assert ("Default RAG mode: positions sequential, chunk attention isolated, recompute "
+            "query, the fewest tokens holding 0.9 of the scores, 0.1 to 0.5") in r.stdout
+    assert "default mode: 4/4 answers identical token for token" in r.stdout
+    assert "exact chunk reuse: 4/4 answers identical token for token" in r.stdout
     assert "hit rate" in r.stdout and "speedup" in r.stdout
     rows = [m for line in r.stdout.splitlines() if (m := DEMO_ROW.match(line))]
+    exact = [m for line in r.stdout.splitlines() if (m := EXACT_ROW.match(line))]
     requests = _requests(llm, 4)
-    assert len(rows) == len(requests)
+    assert len(rows) == len(exact) == len(requests)
     assert any(row[3] == row[4] for row in rows)  # a request with every chunk a hit
+    cold = LLM(path, enable_chunk_cache=False, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    outs = cold.generate([p for _, _, p in requests], params, use_tqdm=False)
     tokenizer = llm.get_tokenizer()
-    for i, (row, (_, order, prompt)) in enumerate(zip(rows, requests, strict=True)):
+    for i, (row, ex, out, (_, order, prompt)) in enumerate(
+            zip(rows, exact, outs, requests, strict=True)):
         assert (row[1], row[2]) == (str(i), ",".join(map(str, order)))
+        assert 10 <= int(row[5]) <= 50, f"request {i} recomputed {row[5]}%"
+        assert row[6] == " ".join(out.outputs[0].text.strip().split()), f"request {i}"
         want = reference_tokens(hf, prompt, ("shared", "isolated"), 4, llm.engine.eos_token_ids)
         text = " ".join(tokenizer.decode(want, skip_special_tokens=True).split())
-        assert row[5] == text, f"request {i}"
+        assert (ex[1], ex[2]) == (str(i), text), f"request {i}"
 
 
 def test_generate_with_structured_outputs(tmp_path):

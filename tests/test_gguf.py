@@ -296,7 +296,7 @@ def same_config(gguf_mc, hf_mc) -> None:
 def test_gguf_family_matches_hf_plain_and_rag(family, gguf_case, checkpoint):
     path, hf = gguf_case(family)
     hf_dir = checkpoint(family)
-    llm = LLM(path, tokenizer=hf_dir, max_num_batched_tokens=512)
+    llm = LLM(path, tokenizer=hf_dir, max_num_batched_tokens=512, position_strategy="shared")
     assert llm.engine.checkpoint.format == "gguf"
     same_config(llm.engine.model_config, inspect_checkpoint(hf_dir).model_config)
     plain = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (4, 37)]

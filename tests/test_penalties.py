@@ -127,7 +127,7 @@ def test_repetition_penalty_equals_hf_generate(llama):
 def test_penalties_on_a_rag_prompt_equal_a_reference_loop(llama, penalties):
     """Cold and warm: the penalties read the whole prompt (S, every chunk, Q)."""
     path, hf = llama
-    llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512, position_strategy="shared")
     S, C = random_prompt(5, seed=11), [random_prompt(7, seed=12), random_prompt(4, seed=13)]
     Q = random_prompt(3, seed=14)
     params = GREEDY.clone(**penalties)

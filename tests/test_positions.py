@@ -114,7 +114,7 @@ def test_layout_as_engine_default(llama):
     """position_strategy / chunk_attention in the config are the default of every prompt, and
     a prompt's own choice overrides them."""
     path, hf = llama
-    llm = make_llm(path, kv_cache_tokens=1024, position_strategy="sequential",
+    llm = make_llm(path, kv_cache_tokens=1024, position_strategy="sequential", recompute="none",
                    chunk_attention="standalone")
     S = random_prompt(8, seed=30)
     A, B = random_prompt(12, seed=31), random_prompt(19, seed=32)
@@ -358,7 +358,12 @@ def test_dynamic_rope_refuses_re_positioning(checkpoint):
     path = checkpoint("dynamic")
     with pytest.raises(ValueError, match="dynamic-NTK"):
         LLM(path, kv_cache_tokens=512, position_strategy="sequential")
+    with pytest.raises(ValueError, match="dynamic-NTK"):
+        LLM(path, kv_cache_tokens=512, recompute="query")
+    # Its default is the exact shared layout, not the quality mode it cannot serve.
     llm = LLM(path, kv_cache_tokens=512)
+    assert (llm.engine.config.position_strategy, llm.engine.config.recompute) == ("shared",
+                                                                                   "none")
     S, A, q = random_prompt(5, seed=1), random_prompt(6, seed=2), random_prompt(3, seed=3)
     for layout in LAYOUTS:
         with pytest.raises(ValueError, match="dynamic-NTK"):

@@ -72,7 +72,7 @@ def test_precompute_then_serve_every_chunk_hits(llama, tmp_path):
 
     # A fresh engine serving the corpus (other orders, other questions): every chunk is a
     # store hit, and greedy tokens equal the one-pass reference.
-    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store)
+    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store, position_strategy="shared")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     # Chunks met for the first time come from the store, the others from the pool.
     for docs, question, from_store in (([TEXTS[2], TEXTS[0]], "What is w5?", 2),
@@ -99,7 +99,7 @@ def test_precompute_text_format_and_salt_match_separator_prompts(llama, tmp_path
     store = f"disk:{tmp_path / 'store'}:1GiB"
     done = precompute(path, corpus, store, "--prompt-format", "text", "--cache-salt", "t1")
     assert done.returncode == 0, done.stderr
-    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store)
+    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store, position_strategy="shared")
     params = SamplingParams(max_tokens=2, temperature=0.0)
     text = SYSTEM + "##" + TEXTS[1] + "##" + TEXTS[0] + "##What is w1?"
     salted = llm.generate([{"prompt": text, "cache_salt": "t1"}], params, use_tqdm=False)[0]

@@ -109,8 +109,12 @@ def make_llm(model: str, **kwargs) -> LLM:
     """An LLM whose KV pool starts as NaN, so that attending to any slot that was never
     written (a chunk used before it is computed, a stale slot) poisons the output instead of
     passing silently. Slot 0, the padding target of batched decode, stays zero, as the pool
-    makes it (test_decode_padding_slot_garbage_does_not_leak)."""
-    llm = LLM(model, **kwargs)
+    makes it (test_decode_padding_slot_garbage_does_not_leak).
+
+    Its default layout is the exact one these tests compare with their references: shared
+    positions, no recompute (`position_strategy` given overrides it). The engine's own
+    default, the quality mode, is tested in test_recompute.py."""
+    llm = LLM(model, **{"position_strategy": "shared", **kwargs})
     kv = llm.engine.pool.kv
     kv.fill_(float("nan"))
     kv[:, :, 0] = 0.0

@@ -29,7 +29,10 @@ TOL = 1e-3  # log-probabilities after 30 layers, two attention implementations, 
 
 @pytest.fixture(scope="module")
 def llm():
-    engine = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024)
+    # The exact layout the references below compute (the engine's default, the quality mode,
+    # is tested in test_the_shipped_profile_is_the_default_and_warm_equals_cold).
+    engine = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024,
+                 position_strategy="shared")
     yield engine
     engine.check_integrity()
 
@@ -203,10 +206,12 @@ def test_calibration_on_the_real_model(llm, tmp_path):
     llm.check_integrity()
 
 
-def test_the_shipped_profile_is_smollm2s_and_loads_by_itself(llm, tmp_path, monkeypatch):
+def test_the_shipped_profile_is_the_default_and_warm_equals_cold(llm, tmp_path, monkeypatch):
     """The package ships SmolLM2's profile, named by the installed file's fingerprint: an engine
-    with sequential positions and no recompute settings uses it (with an empty profile
-    directory), and its curve is the one it was chosen from."""
+    built with no layout or recompute settings uses it (with an empty profile directory), and
+    its curve is the one it was chosen from. In that default mode a RAG answer over cached
+    documents equals, token for token, its cold answer and the same prompt with the caches
+    off."""
     from ragkv.recompute.profile import SHIPPED, profile_name, read_profile
 
     fingerprint = llm.engine.checkpoint.fingerprint
@@ -215,7 +220,26 @@ def test_the_shipped_profile_is_smollm2s_and_loads_by_itself(llm, tmp_path, monk
     assert profile.data["model"] == MODEL and profile.data["calibration"]["questions"] >= 60
     assert profile.data["chosen"] in {p["mode"] for p in profile.data["curve"]}
     monkeypatch.setenv("RAGKV_PROFILE_DIR", str(tmp_path))
-    sequential = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024,
-                     position_strategy="sequential")
-    assert sequential.engine.recompute_profile.path == str(shipped)
-    assert sequential.engine.config.recompute == profile.settings["recompute"]
+    default = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024)
+    assert default.engine.recompute_profile.path == str(shipped)
+    assert default.engine.config.position_strategy == "sequential"
+    assert default.engine.config.recompute == profile.settings["recompute"]
+    docs = ["The Zorbian council meets every ninth day in the copper hall of Veltra.",
+            "Veltra's copper hall was built by the engineer Amsel Roch in 1821.",
+            "Tea in Veltra is brewed with dried juniper and a pinch of salt."]
+    messages = [{"role": "user", "content": "Who built the hall where the council meets?"}]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    answers = []
+    for order in ([0, 1, 2], [2, 1, 0], [0, 1, 2]):
+        prompt = default.engine.process_chat(messages, documents=[docs[i] for i in order])
+        out = default.generate([prompt], params, use_tqdm=False)[0]
+        answers.append((prompt, out))
+    (first, cold), _, (_, warm) = answers
+    assert cold.metrics.num_chunk_misses == 3 and warm.metrics.num_chunk_hits == 3
+    assert warm.metrics.num_recomputed_tokens > 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    off = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=1024,
+              enable_chunk_cache=False, enable_prefix_caching=False)
+    assert (off.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
+            == cold.outputs[0].token_ids)
+    default.check_integrity()

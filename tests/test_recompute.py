@@ -16,11 +16,13 @@ import torch
 from conftest import MAIN_FAMILIES, random_prompt
 from test_rag import GREEDY, TOL, make_llm, plain, rag, reference, run
 
+from ragkv import LLM
 from ragkv.inputs.layout import PromptLayout
 from ragkv.inputs.prompt import RAGPrompt
+from ragkv.recompute.planner import RecomputePlanner
 from ragkv.recompute.selection import RecomputeSpec
 
-METHODS = ["blend", "sink", "query", "sink+blend", "sink+query"]
+METHODS = ["blend", "sink", "query", "sink+blend", "sink+query", "query+blend"]
 SEQ_ISO = ("sequential", "isolated")
 
 
@@ -296,8 +298,76 @@ def test_recompute_as_engine_default_and_in_stats(llama):
     llm.check_integrity()
 
 
+def test_quality_mode_is_the_default(llama):
+    """An engine built with no layout or recompute settings serves RAG prompts in the quality
+    mode: sequential positions, and (no calibrated profile here) the model-agnostic adaptive
+    `query` recompute, 10% to 50% of the chunk tokens holding 0.9 of the scores. Its warm
+    answer equals its cold one token for token and the same mode named explicitly; a prompt may
+    still ask for the exact shared layout, and a ratio of its own is a fixed budget whose ends
+    are the references."""
+    import math
+
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, position_strategy=None)
+    c = llm.engine.config
+    assert (c.position_strategy, c.recompute, c.recompute_ratio, c.recompute_min_ratio,
+            c.recompute_score_mass) == ("sequential", "query", 0.5, 0.1, 0.9)
+    settings = llm.engine.recompute_settings()
+    assert settings["source"] == "model-agnostic" and settings["profile"] is None
+    assert settings["recompute_check_layers"] == [0, 1]  # 13/27/40% of 2 layers
+    S, A, B = random_prompt(6, seed=140), random_prompt(15, seed=141), random_prompt(9, seed=142)
+    Q = random_prompt(4, seed=143)
+    prompt = RAGPrompt(S, [A, B], Q)
+    cold = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    warm = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert warm.metrics.num_chunk_hits == 2 and cold.metrics.num_chunk_misses == 2
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    n = len(A) + len(B)
+    assert (math.ceil(0.1 * n) <= cold.metrics.num_recomputed_tokens <= math.ceil(0.5 * n)
+            and warm.metrics.num_recomputed_tokens == cold.metrics.num_recomputed_tokens)
+    explicit = make_llm(path, kv_cache_tokens=2048)  # shared: recompute only when named
+    named = RAGPrompt(S, [A, B], Q, position_strategy="sequential", recompute="query",
+                      recompute_ratio=0.5, recompute_min_ratio=0.1, recompute_score_mass=0.9)
+    out = explicit.generate([named], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert out.metrics.num_recomputed_tokens == cold.metrics.num_recomputed_tokens
+    # The exact modes stay one setting away.
+    shared = RAGPrompt(S, [A, B], random_prompt(3, seed=144), position_strategy="shared")
+    out = llm.generate([shared], GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_recomputed_tokens == 0
+    want, _ = reference(hf, shared, ("shared", "isolated"))
+    assert out.outputs[0].token_ids == want
+    for ratio, exact in ((1.0, "full"), (0.0, "sequential")):
+        own = RAGPrompt(S, [A, B], Q, recompute_ratio=ratio)
+        out = llm.generate([own], GREEDY, use_tqdm=False)[0]
+        assert out.metrics.num_recomputed_tokens == round(ratio * n)
+        check(hf, own, out, exact)
+    llm.check_integrity()
+    explicit.check_integrity()
+
+
+def test_default_recompute_settings_resolve(llama):
+    """What an engine resolves: the user's ratio without a score mass is a fixed budget of the
+    default method; shared positions recompute nothing; a recompute named with shared
+    positions is an error."""
+    path, _ = llama
+    c = LLM(path, kv_cache_tokens=256, recompute_ratio=0.3).engine.config
+    assert (c.position_strategy, c.recompute, c.recompute_ratio, c.recompute_score_mass,
+            c.recompute_min_ratio) == ("sequential", "query", 0.3, None, 0.0)
+    c = LLM(path, kv_cache_tokens=256, recompute_score_mass=0.5).engine.config
+    assert (c.recompute, c.recompute_ratio, c.recompute_score_mass, c.recompute_min_ratio) == (
+        "query", 0.5, 0.5, 0.1)
+    engine = LLM(path, kv_cache_tokens=256, position_strategy="shared").engine
+    assert (engine.config.recompute, engine.recompute_source) == ("none", "config")
+    assert "no recompute (exact chunk reuse)" in engine.describe_rag_default()
+    engine = LLM(path, kv_cache_tokens=256, recompute="blend").engine
+    assert (engine.config.position_strategy, engine.config.recompute,
+            engine.config.recompute_ratio, engine.config.recompute_score_mass,
+            engine.recompute_source) == ("sequential", "blend", 0.15, None, "config")
+
+
 @pytest.mark.parametrize("kwargs,fragment", [
-    ({"recompute": "blend"}, "position_strategy='sequential'"),
+    ({"recompute": "blend", "position_strategy": "shared"}, "position_strategy='sequential'"),
     ({"recompute": "magic", "position_strategy": "sequential"}, "recompute must be one of"),
     ({"recompute_ratio": 1.5}, "recompute_ratio"),
     ({"recompute_sink_tokens": -1}, "recompute_sink_tokens"),
@@ -368,6 +438,55 @@ def test_select_takes_the_best_scores_ties_to_the_earlier_token():
     assert spec.select(layout, scores) == (2, 3, 6, 8)  # sinks 2 and 6, then 0.9 and 0.9
     with pytest.raises(ValueError, match="one score per chunk token"):
         spec.select(layout, torch.zeros(3))
+
+
+def test_query_and_blend_combine_as_shares_of_their_totals(llama, monkeypatch):
+    """`query+blend` runs both probes in one step (query at its check layers, blend at layer
+    1) and ranks by the sum of each one's scores as a share of its total, so neither scorer's
+    scale decides; one probe's scores are used as they are."""
+    spec = RecomputeSpec("query+blend", 0.5, None, (0, 1))
+    assert spec.scorers == ("query", "blend")
+    assert spec.probes == (("query", (0, 1)), ("blend", (1,)))
+    query = torch.tensor([1.0, 0.0, 3.0, 0.0])  # shares .25 0 .75 0
+    blend = torch.tensor([0.0, 10.0, 0.0, 30.0])  # shares 0 .25 0 .75
+    combined = spec.combine([query, blend])
+    assert torch.allclose(combined, torch.tensor([0.25, 0.25, 0.75, 0.75], dtype=torch.float64))
+    layout = PromptLayout.build(2, [2, 2], "sequential")
+    assert spec.select(layout, combined) == (4, 5)  # the two 0.75: one from each scorer
+    assert RecomputeSpec("query", 0.5, None, (1,)).combine([query]) is query
+
+    from ragkv.recompute import probe as probe_module
+
+    path, _ = llama
+    llm = make_llm(path, kv_cache_tokens=1024)
+    original = probe_module.ProbeWork.run
+    runs = []
+
+    def record(work, model, pool):
+        scores = original(work, model, pool)
+        runs.append((work.kind, work.check_layers, scores))
+        return scores
+
+    monkeypatch.setattr(probe_module.ProbeWork, "run", record)
+    chosen = []
+    choose = RecomputePlanner.choose
+    monkeypatch.setattr(RecomputePlanner, "choose",
+                        lambda self, req, selected: chosen.append(selected)
+                        or choose(self, req, selected))
+    S, A, B = random_prompt(5, seed=150), random_prompt(13, seed=151), random_prompt(8, seed=152)
+    prompt = RAGPrompt(S, [A, B], random_prompt(4, seed=153), position_strategy="sequential",
+                       recompute="query+blend", recompute_ratio=0.4)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert [(kind, layers) for kind, layers, _ in runs] == [("query", (0, 1)), ("blend", (1,))]
+    both = spec.combine([s for _, _, s in runs])
+    want = RecomputeSpec("query", 0.4, None, (0, 1)).select(
+        PromptLayout.build(5, [13, 8], "sequential"), both)
+    assert chosen == [want] and out.metrics.num_recomputed_tokens == len(want) == 9
+    # Neither scorer alone would have chosen it (else the combination would be untested).
+    alone = [RecomputeSpec("query", 0.4, None, (0, 1)).select(
+        PromptLayout.build(5, [13, 8], "sequential"), s) for _, _, s in runs]
+    assert want not in alone
+    llm.check_integrity()
 
 
 def test_adaptive_budget_takes_the_fewest_tokens_holding_the_mass():
@@ -540,6 +659,10 @@ def test_one_layer_model_loads_with_recompute_off(tmp_path):
     llm = LLM(path, kv_cache_tokens=256)
     with pytest.raises(ValueError, match=r"layer 1; the model has layers 0 \.\. 0"):
         llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute="blend")], GREEDY,
+                     use_tqdm=False)
+    with pytest.raises(ValueError, match=r"its blend probe checks layer 1; the model has "
+                                         r"layers 0 \.\. 0"):
+        llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute="query+blend")], GREEDY,
                      use_tqdm=False)
     llm.check_integrity()
     for method in ("query", "sink"):

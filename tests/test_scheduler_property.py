@@ -76,8 +76,8 @@ class Req:
 # (position_strategy, chunk_attention, recompute, recompute_ratio): every RAG layout, and
 # selective recompute at the ends of its curve (r = 1: the full prefill of the flat prompt;
 # r = 0: the layout itself), mixed in one workload.
-LAYOUTS = (("shared", "isolated", None, None), ("sequential", "isolated", None, None),
-           ("shared", "standalone", None, None), ("sequential", "standalone", None, None),
+LAYOUTS = (("shared", "isolated", None, None), ("sequential", "isolated", "none", None),
+           ("shared", "standalone", None, None), ("sequential", "standalone", "none", None),
            ("sequential", "isolated", "sink+blend", 1.0),
            ("sequential", "standalone", "query", 1.0),
            ("sequential", "isolated", "blend", 0.0))

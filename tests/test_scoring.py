@@ -42,7 +42,8 @@ def score(llm: LLM, prompt, m: int, max_tokens: int = 1):
 def setup(checkpoint, hf_model):
     path = checkpoint("llama")
     # A small token budget splits the question over several steps.
-    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=16)
+    llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=16,
+              position_strategy="shared")
     return llm, hf_model(path)
 
 

@@ -59,7 +59,8 @@ def llama(checkpoint, hf_model):
 
 @pytest.fixture(scope="module")
 def llm(llama):
-    engine = LLM(llama[0], kv_cache_tokens=4096, chunk_cache_tokens=1024)
+    engine = LLM(llama[0], kv_cache_tokens=4096, chunk_cache_tokens=1024,
+                 position_strategy="shared")
     yield engine
     engine.check_integrity()
 
@@ -178,7 +179,7 @@ def test_constrained_greedy_equals_a_brute_force_mask_loop_cold_and_warm(llama, 
     import jsonschema
 
     path, hf = llama
-    llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+    llm = LLM(path, kv_cache_tokens=2048, chunk_cache_tokens=512, position_strategy="shared")
     S, C = random_prompt(5, seed=21), [random_prompt(6, seed=22), random_prompt(4, seed=23)]
     Q = random_prompt(3, seed=24)
     so = StructuredOutputsParams(json=schema)

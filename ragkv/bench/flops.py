@@ -32,15 +32,24 @@ def recompute_flops(mc, system: int, chunk_lens: list[int], question: int, ratio
     picked = [system + 1 + (i * total) // count for i in range(count)] if count else []
     work = picked + [context + t for t in range(1, question + 1)]
     flops = prefill_flops(mc, work)
-    d, kvh, hd = mc.hidden_size, mc.num_kv_heads, mc.head_dim
-    if probe == "blend":
-        chunk_kv = [system + t for t in range(1, total + 1)]
-        flops += prefill_flops(mc, chunk_kv, layers=probe_layers - 1, head=False)
-        flops += total * 2 * d * 2 * kvh * hd
-    elif probe == "query":
-        question_kv = [context + t for t in range(1, question + 1)]
-        flops += prefill_flops(mc, question_kv, layers=probe_layers, head=False)
+    if probe is not None:
+        flops += probe_flops(mc, system, total, question, probe, probe_layers)
     return flops
+
+
+def probe_flops(mc, system: int, chunk_tokens: int, question: int, probe: str,
+                probe_layers: int) -> float:
+    """FLOPs of one recompute probe (recompute/probe.py) through `probe_layers` layers: `blend`
+    runs every chunk token through the layers but the last, and the last one's K/V projection;
+    `query` the question tokens."""
+    context = system + chunk_tokens
+    if probe == "blend":
+        d, kvh, hd = mc.hidden_size, mc.num_kv_heads, mc.head_dim
+        chunk_kv = [system + t for t in range(1, chunk_tokens + 1)]
+        return (prefill_flops(mc, chunk_kv, layers=probe_layers - 1, head=False)
+                + chunk_tokens * 2 * d * 2 * kvh * hd)
+    question_kv = [context + t for t in range(1, question + 1)]
+    return prefill_flops(mc, question_kv, layers=probe_layers, head=False)
 
 
 def full_prefill_flops(mc, num_tokens: int) -> float:

@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 from ..inputs.prompt import RAGPrompt
 from ..llm import LLM
 from ..model.loader import inspect_checkpoint
+from ..recompute.selection import probe_plan
 from ..sampling.params import SamplingParams
-from .flops import rag_flop_bound
+from .flops import full_prefill_flops, probe_flops, rag_flop_bound, recompute_flops
 from .workload import BenchRequest, WorkloadConfig, make_workload
 
 MODES = {
@@ -40,6 +41,8 @@ class RequestRecord:
     cached_tokens: int
     chunk_hits: int
     chunk_misses: int
+    recomputed_tokens: int
+    chunk_tokens: int
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -81,7 +84,9 @@ def run_mode(model: str, mode: str, requests: list[BenchRequest], config: Worklo
         records.append(RequestRecord(
             ttft=m.ttft, e2e=m.e2e_latency, prompt_tokens=len(out.prompt_token_ids),
             output_tokens=len(out.outputs[0].token_ids), cached_tokens=out.num_cached_tokens,
-            chunk_hits=m.num_chunk_hits, chunk_misses=m.num_chunk_misses))
+            chunk_hits=m.num_chunk_hits, chunk_misses=m.num_chunk_misses,
+            recomputed_tokens=m.num_recomputed_tokens,
+            chunk_tokens=sum(map(len, req.chunks)) if mode == "chunk" else 0))
     duration = time.perf_counter() - start
     llm.check_integrity()
     stats1, chunks1 = llm.engine.stats(), llm.get_chunk_cache_stats()
@@ -91,8 +96,15 @@ def run_mode(model: str, mode: str, requests: list[BenchRequest], config: Worklo
     chunk_hits = chunks1.hits - chunks0.hits
     warm = [r.ttft for r in records if r.chunk_misses == 0 and r.chunk_hits > 0]
     output_tokens = sum(r.output_tokens for r in records)
+    chunk_tokens = sum(r.chunk_tokens for r in records)
     return {
         "mode": mode,
+        # The engine's default RAG layout and recompute, which the chunk mode's prompts get.
+        "rag_default": llm.engine.describe_rag_default(),
+        "recomputed_fraction": (sum(r.recomputed_tokens for r in records) / chunk_tokens
+                                if chunk_tokens else 0.0),
+        # (scorer, check layers) of the probes of the default recompute; None: none.
+        "probes": _default_probes(llm),
         "requests": len(records),
         "duration_s": duration,
         "ttft_s": percentiles([r.ttft for r in records]),
@@ -117,6 +129,16 @@ def run_mode(model: str, mode: str, requests: list[BenchRequest], config: Worklo
             "request_misses": sum(r.chunk_misses for r in records),
         },
     }
+
+
+def _default_probes(llm: LLM) -> list[tuple[str, list[int]]] | None:
+    settings = llm.engine.recompute_settings()
+    if settings["position_strategy"] != "sequential" or settings["recompute"] == "none":
+        return None
+    if settings["recompute"] == "sink":
+        return []
+    return [(kind, list(layers)) for kind, layers in
+            probe_plan(settings["recompute"], tuple(settings["recompute_check_layers"]))]
 
 
 def run_hf(model: str, requests: list[BenchRequest], progress: bool = True) -> dict:
@@ -169,17 +191,28 @@ def run_offline(model: str, modes: list[str], config: WorkloadConfig, engine_kwa
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    # The layout of the chunk mode's prompts (--position-strategy, --chunk-attention).
-    layout = {k: engine_kwargs.get(k, v) for k, v in (("position_strategy", "shared"),
-                                                       ("chunk_attention", "isolated"))}
-    results: dict = {"model": model, "workload": config.to_dict(), "layout": layout,
-                     "modes": {}}
+    results: dict = {"model": model, "workload": config.to_dict(), "modes": {}}
     mc = inspect_checkpoint(model).model_config
     requests = make_workload(config, mc.vocab_size)
     for mode in modes:
         results["modes"][mode] = run_mode(model, mode, requests, config, engine_kwargs, progress)
-    bound = rag_flop_bound(mc, config.system_tokens,
-                           [config.doc_tokens] * config.docs_per_request, config.question_tokens)
+    if "chunk" in results["modes"]:
+        # The chunk mode's prompts take the engine's default layout (--position-strategy,
+        # --chunk-attention, --recompute...): the quality mode unless told otherwise.
+        chunk = results["modes"]["chunk"]
+        results["layout"] = chunk["rag_default"]
+        results["recomputed_fraction"] = chunk["recomputed_fraction"]
+    chunk_lens = [config.doc_tokens] * config.docs_per_request
+    bound = rag_flop_bound(mc, config.system_tokens, chunk_lens, config.question_tokens)
+    if "chunk" in results["modes"] and results["modes"]["chunk"]["probes"] is not None:
+        # The chunk mode recomputes: its bound counts the recomputed tokens (their measured
+        # share, spread over the documents) and its probes.
+        chunk = results["modes"]["chunk"]
+        s, q, total = config.system_tokens, config.question_tokens, sum(chunk_lens)
+        work = recompute_flops(mc, s, chunk_lens, q, chunk["recomputed_fraction"], None)
+        work += sum(probe_flops(mc, s, total, q, kind, max(layers) + 1)
+                    for kind, layers in chunk["probes"])
+        bound = full_prefill_flops(mc, s + total + q) / work
     results["flop_bound"] = bound
     chunk, none = results["modes"].get("chunk"), results["modes"].get("none")
     if chunk and none and chunk["num_warm_requests"]:
@@ -199,8 +232,9 @@ def format_table(results: dict) -> str:
     ms = 1000.0
     lines = [
         f"model {results['model']}; workload {results['workload']}",
-        "chunk mode layout: positions {position_strategy}, chunk attention "
-        "{chunk_attention}".format(**results["layout"]),
+        *([f"chunk mode layout: {results['layout']}; recomputed "
+           f"{results['recomputed_fraction']:.1%} of the chunk tokens"]
+          if "layout" in results else []),
         f"{'mode':<7} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'E2E p50':>9} {'out tok/s':>10} "
         f"{'prefix hit':>10} {'chunk hit':>9} {'warm TTFT p50':>14}",
     ]
@@ -208,7 +242,7 @@ def format_table(results: dict) -> str:
         t = f["ttft_s"]
         if mode == "hf":
             lines.append(f"{'hf':<7} {t['p50'] * ms:>7.1f}ms {t['p90'] * ms:>6.1f}ms "
-                         f"{t['p99'] * ms:>6.1f}ms {'(prefill only, same semantics)':>30}")
+                         f"{t['p99'] * ms:>6.1f}ms {'(prefill only, shared layout)':>30}")
             continue
         warm = f["warm_ttft_s"]["p50"]
         warm_text = f"{warm * ms:.1f}ms ({f['num_warm_requests']})" if f["num_warm_requests"] \

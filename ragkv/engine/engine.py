@@ -33,7 +33,8 @@ from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
 from ..model.runner import ModelRunner
 from ..outputs import RequestOutput
-from ..recompute.profile import resolve_recompute
+from ..recompute.policy import check_layers_for
+from ..recompute.profile import describe_settings, resolve_recompute
 from ..sampling.params import SamplingParams
 from ..structured.token_grammar import StructuredOutputs
 from .input_processor import InputProcessor
@@ -65,14 +66,13 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.checkpoint = checkpoint = inspect_checkpoint(config.model)
-        # Every recompute setting made concrete, from the model's calibrated profile where the
-        # user left them unset.
-        config, self.recompute_profile = resolve_recompute(config, checkpoint.fingerprint)
-        self.config = config
-        if self.recompute_profile is not None:
-            logger.info("recompute profile %s: %s", self.recompute_profile.path,
-                        self.recompute_profile.describe())
         self.model_config = mc = checkpoint.model_config
+        # The default layout and every recompute setting made concrete: the quality mode
+        # (sequential + the model's calibrated recompute) where the user left them unset.
+        config, self.recompute_profile, self.recompute_source = resolve_recompute(
+            config, checkpoint.fingerprint, mc.rope.get("rope_type") == "dynamic")
+        self.config = config
+        logger.info("RAG default: %s", self.describe_rag_default())
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device, parse_torch_dtype(checkpoint.torch_dtype))
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
@@ -157,16 +157,33 @@ class Engine:
         return self.outputs.has(request_id)
 
     def recompute_settings(self) -> dict:
-        """The default layout and selective recompute, and the calibrated profile they came
-        from (None: given by the user, or no profile), as plain values."""
+        """The default layout and selective recompute, where the recompute came from
+        ("profile", "model-agnostic" or "config") and the calibrated profile (None: none
+        used), as plain values."""
         c, profile = self.config, self.recompute_profile
         layers = c.recompute_check_layers
-        return {"position_strategy": c.position_strategy, "recompute": c.recompute,
+        if c.recompute != "none" and layers is None:
+            layers = check_layers_for(c.recompute, None, self.model_config.num_layers)
+        return {"position_strategy": c.position_strategy,
+                "chunk_attention": c.chunk_attention, "recompute": c.recompute,
                 "recompute_ratio": c.recompute_ratio,
                 "recompute_min_ratio": c.recompute_min_ratio,
                 "recompute_score_mass": c.recompute_score_mass,
                 "recompute_check_layers": None if layers is None else list(layers),
+                "source": self.recompute_source,
                 "profile": None if profile is None else profile.path}
+
+    def describe_rag_default(self) -> str:
+        """One line: the default layout of a RAG prompt, its recompute and their source."""
+        c = self.config
+        text = f"positions {c.position_strategy}, chunk attention {c.chunk_attention}"
+        if c.recompute == "none":
+            return text + ", no recompute (exact chunk reuse)"
+        where = {"profile": f"calibrated profile {getattr(self.recompute_profile, 'path', '')}",
+                 "model-agnostic": "no calibrated profile for this model: the model-agnostic "
+                                   "default",
+                 "config": "as configured"}[self.recompute_source]
+        return text + f", recompute {describe_settings(self.recompute_settings())} ({where})"
 
     def abort_request(self, request_id: str) -> None:
         self.outputs.abort(request_id)

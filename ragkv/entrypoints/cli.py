@@ -59,9 +59,11 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                              "host:SIZE, disk:PATH:SIZE, redis://HOST:PORT/DB (e.g. "
                              "host:8GiB,disk:/var/cache/ragkv:50GiB,redis://127.0.0.1:6379/0)")
     parser.add_argument("--position-strategy", choices=list(POSITION_STRATEGIES),
-                        default="shared",
-                        help="default RAG layout: chunks share the positions after the system "
-                             "prompt (shared) or follow one another (sequential)")
+                        default=None,
+                        help="default RAG layout: chunks follow one another (sequential) or "
+                             "share the positions after the system prompt (shared: exact "
+                             "chunk reuse, no recompute); unset: sequential with the model's "
+                             "calibrated recompute, the quality mode")
     parser.add_argument("--chunk-attention", choices=list(CHUNK_ATTENTIONS),
                         default="isolated",
                         help="what a chunk attends to: the system prompt and itself "
@@ -71,19 +73,22 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         help="selective recompute of chunk tokens (needs --position-strategy "
                              "sequential): by K/V deviation (blend), each chunk's first "
                              "tokens (sink), the question's attention (query), or sinks then "
-                             "a scorer (unset: the model's calibrated profile with sequential "
-                             "positions, else none)")
+                             "a scorer (unset: with sequential positions the model's "
+                             "calibrated profile, else query 0.1 to 0.5 holding 0.9 of the "
+                             "scores; none with shared positions)")
     parser.add_argument("--recompute-ratio", type=float, default=None,
                         help="fraction of chunk tokens recomputed (0: none, 1: a full "
-                             "prefill; unset: the profile's, else 0.15)")
+                             "prefill; unset: the profile's, else 0.5 in the quality mode, "
+                             "0.15 with --recompute given)")
     parser.add_argument("--recompute-score-mass", type=float, default=None,
                         help="adaptive budget: recompute the fewest top-scored chunk tokens "
                              "that hold this share of the probe's scores, between "
-                             "--recompute-min-ratio and --recompute-ratio (unset: always "
-                             "--recompute-ratio)")
+                             "--recompute-min-ratio and --recompute-ratio (unset: the "
+                             "profile's, else 0.9 in the quality mode; a fixed "
+                             "--recompute-ratio with --recompute or --recompute-ratio given)")
     parser.add_argument("--recompute-min-ratio", type=float, default=None,
                         help="the least an adaptive budget recomputes (unset: the profile's, "
-                             "else 0)")
+                             "else 0.1 in the quality mode, 0 otherwise)")
     parser.add_argument("--recompute-profile", default="auto",
                         help="calibrated recompute settings (ragkv calibrate): auto (the "
                              "model's, from the ragkv cache directory or the package), a "

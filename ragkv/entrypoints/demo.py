@@ -3,21 +3,23 @@ subsets, answered by a real model when one is installed.
 
 Each question is asked twice, with its documents (the ones that hold the answer plus
 distractors) in different orders: the first round computes most documents' KV, the second finds
-them all in the chunk cache. The demo prints every answer and whether it contains the expected
-fact, cold vs warm time to first token and the hit rate; then it answers the same questions with
-full prefill (an ordinary prompt, documents attending to each other) and, when the model has a
-calibrated recompute profile, in the quality mode (sequential positions, the profile's
-selective recompute, on the cached documents), and checks that every chunk-cache and
-quality-mode answer equals, token for token, the same prompt computed with the caches off:
-reuse is exact under its semantics, and full prefill shows what those semantics cost.
+them all in the chunk cache. The demo answers in the engine's default mode (the quality mode:
+documents at their places in the prompt, the model's calibrated selective recompute on the
+cached documents) and prints every answer, whether it contains the expected fact, the share of
+document tokens recomputed, cold vs warm time to first token and the hit rate. Then it answers
+the same questions with full prefill (an ordinary prompt, documents attending to each other)
+and with exact chunk reuse (shared positions, no recompute: the fastest mode), and checks that
+every default-mode and exact-mode answer equals, token for token, the same prompt computed with
+the caches off: reuse is exact under its semantics, and full prefill shows what those semantics
+cost.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
+from dataclasses import replace
 
-from ..eval.modes import calibrated_mode
 from ..inputs.prompt import ChunkedPrompt
 from ..llm import LLM
 from ..model.loader import real_model_available
@@ -50,6 +52,12 @@ def _flat(prompt: ChunkedPrompt) -> dict:
     return {"prompt_token_ids": prompt.token_ids}
 
 
+def _exact(prompt: ChunkedPrompt) -> ChunkedPrompt:
+    """The same prompt in the exact mode: shared positions, isolated chunks, no recompute."""
+    return replace(prompt, position_strategy="shared", chunk_attention="isolated",
+                   recompute="none")
+
+
 def _found(text: str, expected: str) -> str:
     return "yes" if expected.lower() in text.lower() else "no"
 
@@ -75,22 +83,27 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
     sizes = [len(c) for _, _, p in requests for c in p.chunks]
     print(f"{len(DOCUMENTS)} invented documents of {min(sizes)}-{max(sizes)} tokens; "
           f"{num_requests} questions with {len(requests[0][1])} documents each (the ones "
-          "holding the answer and distractors), in varying orders, one at a time.\n")
+          "holding the answer and distractors), in varying orders, one at a time.")
+    print(f"Default RAG mode: {llm.engine.describe_rag_default()}.\n")
 
-    print(f"{'req':>3}  {'docs':<10} {'hits':>5} {'TTFT ms':>8}  {'fact':>4}  answer (chunk cache)")
+    print(f"{'req':>3}  {'docs':<10} {'hits':>5} {'recomp':>6} {'TTFT ms':>8}  {'fact':>4}  "
+          "answer (default mode, chunk cache)")
     answers = []
     for i, (qi, order, prompt) in enumerate(requests):
         out = llm.generate(prompt, params, use_tqdm=False)[0]
         m = out.metrics
         text = out.outputs[0].text.strip()
-        answers.append((m.num_chunk_misses == 0, m.ttft, out.outputs[0].token_ids, text))
+        share = m.num_recomputed_tokens / max(1, sum(map(len, prompt.chunks)))
+        answers.append((m.num_chunk_misses == 0, m.ttft, out.outputs[0].token_ids, text,
+                        share))
         hits = f"{m.num_chunk_hits}/{m.num_chunk_hits + m.num_chunk_misses}"
-        print(f"{i:>3}  {','.join(map(str, order)):<10} {hits:>5} {m.ttft * 1000:>8.1f}  "
-              f"{_found(text, QUESTIONS[qi].expected):>4}  {_one_line(text)}")
+        print(f"{i:>3}  {','.join(map(str, order)):<10} {hits:>5} {share:>6.0%} "
+              f"{m.ttft * 1000:>8.1f}  {_found(text, QUESTIONS[qi].expected):>4}  "
+              f"{_one_line(text)}")
     stats = llm.get_chunk_cache_stats()
     llm.check_integrity()
-    cold = [ttft for warm, ttft, _, _ in answers if not warm]
-    warm = [ttft for is_warm, ttft, _, _ in answers if is_warm]
+    cold = [a[1] for a in answers if not a[0]]
+    warm = [a[1] for a in answers if a[0]]
     print()
     print(f"chunk cache: {stats.hits} hits / {stats.lookups} lookups "
           f"(hit rate {stats.hit_rate:.0%}), {stats.cached_chunks} chunks cached, "
@@ -99,71 +112,58 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
         c, w = statistics.mean(cold), statistics.mean(warm)
         print(f"TTFT: cold {c * 1000:.1f} ms (mean of {len(cold)}), warm {w * 1000:.1f} ms "
               f"(mean of {len(warm)}), speedup {c / w:.1f}x")
+    chunk_tokens = sum(len(c) for _, _, p in requests for c in p.chunks)
+    recomputed = sum(a[4] * sum(map(len, p.chunks))
+                     for a, (_, _, p) in zip(answers, requests, strict=True)) / chunk_tokens
 
     print("\nThe same questions with full prefill (documents concatenated, attending to each "
           "other):")
-    full = llm.generate([_flat(p) for _, _, p in requests], params, use_tqdm=False)
-    full_found = 0
-    for i, ((qi, _, _), out) in enumerate(zip(requests, full, strict=True)):
-        text = out.outputs[0].text.strip()
-        found = _found(text, QUESTIONS[qi].expected)
-        full_found += found == "yes"
-        print(f"{i:>3}  {found:>4}  {_one_line(text)}")
-    chunk_found = sum(_found(a[3], QUESTIONS[qi].expected) == "yes"
-                      for (qi, _, _), a in zip(requests, answers, strict=True))
-    print(f"\nanswers containing the expected fact: chunk cache {chunk_found}/{num_requests}, "
-          f"full prefill {full_found}/{num_requests}")
-    quality = _quality_mode(llm, requests, params)
-
-    print("\nChecking exactness: the chunk-cache prompts with the chunk cache and prefix cache "
-          "off...")
-    reference = LLM(model, enable_chunk_cache=False, enable_prefix_caching=False)
-    ref_outs = reference.generate([p for _, _, p in requests], params, use_tqdm=False)
-    same = sum(r.outputs[0].token_ids == a[2] for r, a in zip(ref_outs, answers, strict=True))
-    print(f"{same}/{len(answers)} answers identical token for token.")
-    if quality is None:
-        return 0 if same == len(answers) else 1
-    prompts, ids = quality
-    ref_outs = reference.generate(prompts, params, use_tqdm=False)
-    same_quality = sum(r.outputs[0].token_ids == got
-                       for r, got in zip(ref_outs, ids, strict=True))
-    print(f"quality mode: {same_quality}/{len(ids)} answers identical token for token.")
-    return 0 if same == len(answers) and same_quality == len(ids) else 1
-
-
-def _quality_mode(llm: LLM, requests: list, params: SamplingParams
-                  ) -> tuple[list, list[list[int]]] | None:
-    """The questions again in the quality mode: sequential positions and the model's
-    calibrated selective recompute (its profile), on the chunks the first pass cached. Prints
-    each answer and the recomputed share; returns the prompts and answers' token ids (None
-    when the model has no profile)."""
-    try:
-        mode = calibrated_mode(llm.engine)
-    except ValueError as e:
-        print(f"\nQuality mode skipped: {e}.")
-        return None
-    print(f"\nThe same questions in the quality mode ({mode.description}):")
-    prompts, ids, found, ttfts, recomputed, chunk_tokens = [], [], 0, [], 0, 0
-    for i, (qi, _, prompt) in enumerate(requests):
-        engine_prompt = mode.build(prompt, [])
-        out = llm.generate(engine_prompt, params, use_tqdm=False)[0]
-        m, text = out.metrics, out.outputs[0].text.strip()
-        tokens = sum(map(len, prompt.chunks))
-        share = m.num_recomputed_tokens / max(1, tokens)
-        recomputed += m.num_recomputed_tokens
-        chunk_tokens += tokens
-        ttfts.append(m.ttft)
-        hit = _found(text, QUESTIONS[qi].expected)
-        found += hit == "yes"
-        prompts.append(engine_prompt)
-        ids.append(out.outputs[0].token_ids)
-        print(f"{i:>3}  {share:>4.0%} recomputed {m.ttft * 1000:>8.1f} ms  {hit:>4}  "
-              f"{_one_line(text)}")
+    full = _answer_each(llm, [_flat(p) for _, _, p in requests], requests, params, "full")
+    print("\nThe same questions with exact chunk reuse (shared positions, no recompute; the "
+          "fastest mode, one setting away), every document cached:")
+    exact_prompts = [_exact(p) for _, _, p in requests]
+    exact = _answer_each(llm, exact_prompts, requests, params, "exact")
     llm.check_integrity()
-    print(f"quality mode: {found}/{len(requests)} answers contain the expected fact, "
-          f"{recomputed / max(1, chunk_tokens):.0%} of the chunk tokens recomputed, mean TTFT "
-          f"{statistics.mean(ttfts) * 1000:.1f} ms (every document cached)")
-    return prompts, ids
+
+    def found(texts: list[str]) -> int:
+        return sum(_found(t, QUESTIONS[qi].expected) == "yes"
+                   for (qi, _, _), t in zip(requests, texts, strict=True))
+
+    print(f"\nanswers containing the expected fact: default mode "
+          f"{found([a[3] for a in answers])}/{num_requests} ({recomputed:.0%} of the document "
+          f"tokens recomputed), full prefill {found(full[1])}/{num_requests}, exact chunk "
+          f"reuse {found(exact[1])}/{num_requests}")
+    if warm:
+        print(f"mean TTFT: default mode warm {statistics.mean(warm) * 1000:.1f} ms, full "
+              f"prefill {statistics.mean(full[2]) * 1000:.1f} ms, exact chunk reuse "
+              f"{statistics.mean(exact[2]) * 1000:.1f} ms")
+
+    print("\nChecking exactness: the same prompts with the chunk cache and prefix cache off...")
+    reference = LLM(model, enable_chunk_cache=False, enable_prefix_caching=False)
+    same = []
+    for name, prompts, ids in (("default mode", [p for _, _, p in requests],
+                                [a[2] for a in answers]),
+                               ("exact chunk reuse", exact_prompts, exact[0])):
+        refs = reference.generate(prompts, params, use_tqdm=False)
+        same.append(sum(r.outputs[0].token_ids == got for r, got in zip(refs, ids,
+                                                                         strict=True)))
+        print(f"{name}: {same[-1]}/{len(ids)} answers identical token for token.")
+    return 0 if all(n == num_requests for n in same) else 1
+
+
+def _answer_each(llm: LLM, prompts: list, requests: list, params: SamplingParams, label: str
+                 ) -> tuple[list[list[int]], list[str], list[float]]:
+    """Answer `prompts` one at a time, printing each row; (token ids, texts, TTFTs)."""
+    ids, texts, ttfts = [], [], []
+    for i, ((qi, _, _), prompt) in enumerate(zip(requests, prompts, strict=True)):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        text = out.outputs[0].text.strip()
+        ids.append(out.outputs[0].token_ids)
+        texts.append(text)
+        ttfts.append(out.metrics.ttft)
+        print(f"{i:>3}  {label:<10} {out.metrics.ttft * 1000:>8.1f}  "
+              f"{_found(text, QUESTIONS[qi].expected):>4}  {_one_line(text)}")
+    return ids, texts, ttfts
 
 
 def _one_line(text: str, width: int = 90) -> str:

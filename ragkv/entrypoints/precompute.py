@@ -167,7 +167,10 @@ def _prompt(engine, doc: Document, system: str, prompt_format: str, cache_salt: 
         messages = [{"role": "user", "content": _QUESTION}]
         if system:
             messages.insert(0, {"role": "system", "content": system})
-        return engine.process_chat(messages, documents=[doc.text], cache_salt=cache_salt)
+        return engine.process_chat(messages, documents=[doc.text], cache_salt=cache_salt,
+                                   recompute="none")
     from ..inputs.prompt import RAGPrompt
 
-    return engine.process_prompt(RAGPrompt(system, [doc.text], _QUESTION, cache_salt=cache_salt))
+    # Only the documents' cache entries matter: no recompute (entries do not depend on it).
+    return engine.process_prompt(RAGPrompt(system, [doc.text], _QUESTION, cache_salt=cache_salt,
+                                           recompute="none"))

@@ -28,6 +28,7 @@ from .. import __version__
 from ..llm import LLM
 from ..recompute.policy import check_layers_for
 from ..recompute.profile import FORMAT, VERSION
+from ..recompute.selection import probe_plan
 from .evaluate import EvalResult, evaluate, pick_items, summarize
 from .modes import REFERENCE, get_mode, recompute_mode_settings
 from .suite import TASKS, build_suite
@@ -104,8 +105,11 @@ def curve(results: list[EvalResult], candidates: Sequence[str], num_layers: int,
         settings = mode_settings(name, num_layers, configured_layers)
         closed = (g["gold_logprob"] - sequential) / gap if gap > 0 else 1.0
         probe = 0.0
-        if settings["recompute"].endswith("blend"):
-            probe = (max(settings["recompute_check_layers"]) + 1) / num_layers
+        if settings["recompute"] != "sink":
+            for kind, layers in probe_plan(settings["recompute"],
+                                           tuple(settings["recompute_check_layers"])):
+                if kind == "blend":  # every chunk token through its layers
+                    probe += (max(layers) + 1) / num_layers
         quiet = within_noise(agree["reference_only"], agree["mode_only"])
         points.append(CurvePoint(
             mode=name, settings=settings, accuracy=g["accuracy"],

@@ -35,6 +35,9 @@ def _full(p: ChunkedPrompt, tail: list[int]) -> object:
 
 def _layout(position_strategy: str, chunk_attention: str, **recompute: object
             ) -> Callable[[ChunkedPrompt, list[int]], object]:
+    # A layout mode names its recompute: none unless given, never the engine's default.
+    recompute.setdefault("recompute", "none")
+
     def build(p: ChunkedPrompt, tail: list[int]) -> object:
         return RAGPrompt(system=list(p.system), chunks=[list(c) for c in p.chunks],
                          question=list(p.question) + tail, cache_salt=p.cache_salt,

@@ -2,10 +2,10 @@
 
 In order, once per request (the choice is kept over preemption; it depends only on the prompt):
 - R needs no probe (`sink` alone): it is chosen at once;
-- R needs a probe: a `ProbeWork` joins the step that completes the request's chunks (or the
-  first step after), priced in budget tokens as the probed tokens times the fraction of layers
-  probed; the runner executes it after the step's forward and `update` chooses R from its
-  scores. The question waits for R's fresh KV;
+- R needs a probe (one per scorer): each `ProbeWork` joins the step that completes the
+  request's chunks (or the first step after), priced in budget tokens as the probed tokens
+  times the fraction of layers probed; the runner executes them after the step's forward and
+  `update` chooses R from their scores. The question waits for R's fresh KV;
 - then the tokens of R are computed as works of their own (as many as the budget holds per
   step): each takes own slots in place of the borrowed cached ones in the request's KV list,
   attends to everything before it and writes its K/V there. The cached entry is not touched.
@@ -44,7 +44,7 @@ class RecomputePlanner:
         if req.selected is None and not spec.needs_probe(layout):
             self.choose(req, spec.select(layout, None))
         if req.selected is None:
-            out.probes.append(self._probe(req))
+            out.probes.extend(self._probes(req))
             return min(self._probe_cost(req), room), True
         if planned < len(req.selected):
             if computes_chunks:
@@ -71,45 +71,56 @@ class RecomputePlanner:
         for req, n in out.recomputed.values():
             req.num_recomputed = n
         failed = []
+        results: dict[int, tuple[Request, list]] = {}  # a request's probes, in order
         for probe, result in zip(out.probes, scores, strict=True):
-            req = probe.request
+            results.setdefault(id(probe.request), (probe.request, []))[1].append(result)
+        for req, mine in results.values():
             if req.status.finished:
                 continue
             try:
-                if isinstance(result, Exception):
-                    raise result
-                self.choose(req, req.recompute.select(req.layout, result))
+                for result in mine:
+                    if isinstance(result, Exception):
+                        raise result
+                spec = req.recompute
+                self.choose(req, spec.select(req.layout, spec.combine(mine)))
             except Exception as e:  # noqa: BLE001 (this request fails, not the step)
                 logger.exception("choosing recomputed tokens for %s failed", req.request_id)
                 req.error = f"recompute selection failed: {type(e).__name__}: {e}"
                 failed.append(req)
         return failed
 
-    def _probe(self, req: Request) -> ProbeWork:
-        """The probe of `req`, whose chunks' KV is ready by the end of this step."""
+    def _probes(self, req: Request) -> list[ProbeWork]:
+        """The probes of `req` (one per scorer), whose chunks' KV is ready by the end of this
+        step."""
         spec, layout = req.recompute, req.layout
         s, qs = layout.system_len, layout.question_start
-        if spec.scorer == "blend":
-            probed = list(range(s, qs))
-            key_positions, positions = layout.chunk_positions(probed)
-        else:
-            # Scored prompt tokens are an answer being scored (ragkv eval): choosing by them
-            # would let the answer pick its own evidence.
-            end = req.num_prompt_tokens - max(0, req.num_scored_tokens - 1)
-            probed = list(range(qs, max(end, qs + 1)))
-            positions = key_positions = layout.positions(qs, probed[-1] + 1)
-        return ProbeWork(request=req, kind=spec.scorer,
-                         token_ids=[req.token_ids[x] for x in probed], positions=positions,
-                         key_positions=key_positions, kv_slots=req.kv.slots[:qs],
-                         turns=layout.turns, chunks=(s, qs), check_layers=spec.check_layers,
-                         block_tokens=self.block_tokens)
+        works = []
+        for kind, layers in spec.probes:
+            if kind == "blend":
+                probed = list(range(s, qs))
+                key_positions, positions = layout.chunk_positions(probed)
+            else:
+                # Scored prompt tokens are an answer being scored (ragkv eval): choosing by
+                # them would let the answer pick its own evidence.
+                end = req.num_prompt_tokens - max(0, req.num_scored_tokens - 1)
+                probed = list(range(qs, max(end, qs + 1)))
+                positions = key_positions = layout.positions(qs, probed[-1] + 1)
+            works.append(ProbeWork(
+                request=req, kind=kind, token_ids=[req.token_ids[x] for x in probed],
+                positions=positions, key_positions=key_positions, kv_slots=req.kv.slots[:qs],
+                turns=layout.turns, chunks=(s, qs), check_layers=layers,
+                block_tokens=self.block_tokens))
+        return works
 
     def _probe_cost(self, req: Request) -> int:
-        """Budget for choosing R: the probed tokens times the fraction of layers probed."""
+        """Budget for choosing R: each probe's tokens times the fraction of layers it runs."""
         spec, layout = req.recompute, req.layout
-        probed = (layout.question_start - layout.system_len if spec.scorer == "blend"
-                  else req.num_prompt_tokens - layout.question_start)
-        return max(1, -(-probed * spec.probe_layers // self.num_layers))
+        cost = 0
+        for kind, layers in spec.probes:
+            probed = (layout.question_start - layout.system_len if kind == "blend"
+                      else req.num_prompt_tokens - layout.question_start)
+            cost += -(-probed * (max(layers) + 1) // self.num_layers)
+        return max(1, cost)
 
     @staticmethod
     def _plan_tokens(req: Request, planned: int, room: int, out: SchedulerOutput,

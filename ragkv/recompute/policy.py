@@ -4,7 +4,7 @@ against its layout and the model, and each scorer's check layers."""
 from __future__ import annotations
 
 from ..config import EngineConfig, check_adaptive, check_recompute
-from .selection import RecomputeSpec
+from .selection import BLEND_CHECK_LAYER, RecomputeSpec, probe_plan
 
 # Check layers of `query` when none are configured, as fractions of the model's depth. Its
 # probe runs only the question's tokens, so deeper layers cost almost nothing, and there the
@@ -13,7 +13,6 @@ from .selection import RecomputeSpec
 # r = 0.15, layer 1 41%. `blend` keeps CacheBlend's layer 1: its probe runs every chunk token
 # through the layers up to the last check layer, so each deeper layer costs a prefill's share.
 QUERY_CHECK_DEPTHS = (0.13, 0.27, 0.4)
-BLEND_CHECK_LAYER = 1
 
 
 def check_layers_for(method: str, configured: tuple[int, ...] | None,
@@ -22,7 +21,7 @@ def check_layers_for(method: str, configured: tuple[int, ...] | None,
     default on a model of `num_layers` layers."""
     if configured is not None:
         return configured
-    if method.endswith("query"):
+    if "query" in method.split("+"):  # with query+blend, blend keeps BLEND_CHECK_LAYER
         return tuple(sorted({min(num_layers - 1, round(f * num_layers))
                              for f in QUERY_CHECK_DEPTHS}))
     return (BLEND_CHECK_LAYER,)  # a one-layer model has no deviation to score
@@ -34,12 +33,19 @@ def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None
                    min_ratio: float | None = None) -> RecomputeSpec | None:
     """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens` and adaptive
     budget, else the engine's), or None; raises ValueError for one its layout or the model
-    cannot do."""
+    cannot do. The engine's recompute is for sequential layouts: a prompt that asks for shared
+    positions without naming a method gets none."""
+    if method is None and position_strategy != "sequential":
+        method = "none"
     method = config.recompute if method is None else method
-    ratio = config.recompute_ratio if ratio is None else ratio
     sink = config.recompute_sink_tokens if sink_tokens is None else sink_tokens
-    mass = config.recompute_score_mass if score_mass is None else score_mass
-    low = config.recompute_min_ratio if min_ratio is None else min_ratio
+    if ratio is not None and score_mass is None:
+        # A ratio of the prompt's own without a score mass is a fixed budget of that ratio.
+        mass, low = None, 0.0 if min_ratio is None else min_ratio
+    else:
+        mass = config.recompute_score_mass if score_mass is None else score_mass
+        low = config.recompute_min_ratio if min_ratio is None else min_ratio
+    ratio = config.recompute_ratio if ratio is None else ratio
     check_recompute(method, ratio, sink)
     check_adaptive(mass, low)
     if mass is not None and low > ratio:
@@ -65,4 +71,8 @@ def check_layers(method: str, configured: tuple[int, ...] | None,
         which = "" if configured is not None else f" ({method}'s default)"
         raise ValueError(f"recompute_check_layers={layers}{which} names layer {bad[0]}; "
                          f"the model has layers 0 .. {num_layers - 1}")
+    for scorer, probed in probe_plan(method, layers) if method != "sink" else ():
+        if max(probed) >= num_layers:
+            raise ValueError(f"recompute={method!r}: its {scorer} probe checks layer "
+                             f"{max(probed)}; the model has layers 0 .. {num_layers - 1}")
     return layers

@@ -5,12 +5,13 @@ that names its chunk-cache entries), so it is never applied to another model. It
 chosen settings (method, ratio or adaptive budget, check layers), the target they were chosen
 for, and the measured curve they were chosen from.
 
-When an engine with sequential positions is built with `recompute` left unset (None),
-`resolve_recompute` looks for a profile of its model (`recompute_profile="auto"`: the ragkv
-cache directory, then the profiles shipped in the package; or a path) and takes from it every
-recompute setting the user did not give. A profile that cannot be read, has another format,
-or belongs to another model is refused: an error when named by path, a warning and no profile
-under "auto".
+An engine's default RAG mode is the quality mode: sequential positions with selective
+recompute. When it is built with `recompute` left unset (None) and sequential positions (the
+default), `resolve_recompute` looks for a profile of its model (`recompute_profile="auto"`:
+the ragkv cache directory, then the profiles shipped in the package; or a path) and takes
+from it every recompute setting the user did not give; a model without a profile gets
+MODEL_AGNOSTIC. A profile that cannot be read, has another format, or belongs to another
+model is refused: an error when named by path, a warning and no profile under "auto".
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ VERSION = 1
 SHIPPED = Path(__file__).parent / "profiles"
 # Built-in defaults of the settings a profile supplies, when neither it nor the user gives one.
 DEFAULTS = {"recompute": "none", "recompute_ratio": 0.15, "recompute_min_ratio": 0.0}
+# The quality mode of a model without a profile: `query` with an adaptive budget, 10% to 50%
+# of the chunk tokens holding 90% of the question's attention, at the query scorer's check
+# layers as fractions of depth (policy.QUERY_CHECK_DEPTHS). It is what `ragkv calibrate`
+# chose for SmolLM2-135M (docs/fidelity.md: 400 questions, 87% of full prefill's accuracy,
+# 31% of the chunk tokens recomputed); no other model has been measured yet.
+MODEL_AGNOSTIC = {"recompute": "query", "recompute_ratio": 0.5, "recompute_min_ratio": 0.1,
+                  "recompute_score_mass": 0.9}
 SETTINGS = ("recompute", "recompute_ratio", "recompute_min_ratio", "recompute_score_mass",
             "recompute_sink_tokens", "recompute_check_layers")
 
@@ -48,14 +56,19 @@ class RecomputeProfile:
     data: dict
 
     def describe(self) -> str:
-        s = self.settings
-        budget = (f"ratio {s['recompute_ratio']:g}" if s.get("recompute_score_mass") is None
-                  else f"the fewest tokens holding {s['recompute_score_mass']:g} of the scores, "
-                       f"{s.get('recompute_min_ratio', 0):g} to {s['recompute_ratio']:g}")
-        layers = s.get("recompute_check_layers")
-        return (f"{s['recompute']}, {budget}"
-                + (f", check layers {','.join(map(str, layers))}" if layers else "")
-                + ("" if self.meets_target else " (best measured; below its target)"))
+        return describe_settings(self.settings) + (
+            "" if self.meets_target else " (best measured; below its target)")
+
+
+def describe_settings(s: dict) -> str:
+    """Recompute settings (SETTINGS keys) in words: method, budget, check layers."""
+    ratio = s.get("recompute_ratio", DEFAULTS["recompute_ratio"])
+    budget = (f"ratio {ratio:g}" if s.get("recompute_score_mass") is None
+              else f"the fewest tokens holding {s['recompute_score_mass']:g} of the scores, "
+                   f"{s.get('recompute_min_ratio') or 0:g} to {ratio:g}")
+    layers = s.get("recompute_check_layers")
+    return (f"{s['recompute']}, {budget}"
+            + (f", check layers {','.join(map(str, layers))}" if layers else ""))
 
 
 def profile_dir() -> Path:
@@ -146,21 +159,38 @@ def find_profile(source: str | None, fingerprint: str) -> RecomputeProfile | Non
     return None
 
 
-def resolve_recompute(config: EngineConfig, fingerprint: str
-                      ) -> tuple[EngineConfig, RecomputeProfile | None]:
-    """`config` with every recompute setting concrete, and the profile they came from. With
-    `recompute` given, or positions other than `sequential` (where nothing is recomputed by
-    default), no profile is used and unset settings take the built-in defaults; otherwise the
-    model's profile (if any) supplies them, the user's own settings winning."""
-    profile = None
+def resolve_recompute(config: EngineConfig, fingerprint: str, dynamic_rope: bool = False
+                      ) -> tuple[EngineConfig, RecomputeProfile | None, str]:
+    """`config` with its default layout and every recompute setting concrete, the profile
+    they came from, and where the recompute came from: "profile", "model-agnostic" (the
+    quality mode without a profile), or "config" (the user's, or none with shared positions).
+
+    Positions left unset are sequential, or shared on a model with dynamic-NTK RoPE (its
+    cached keys cannot be turned; a recompute the user asked for is then an error). With
+    `recompute` unset and sequential positions, the model's profile supplies the settings the
+    user did not give, else MODEL_AGNOSTIC does (a ratio the user gives without a score mass
+    is a fixed budget: it takes no adaptive settings); everything still unset takes DEFAULTS."""
+    position = config.position_strategy
+    if position is None:
+        position = "shared" if dynamic_rope else "sequential"
+        if dynamic_rope and config.recompute not in (None, "none"):
+            raise ValueError(f"recompute={config.recompute!r} recomputes chunk tokens in the "
+                             "sequential layout, which this model's dynamic-NTK RoPE cannot "
+                             "serve (cached keys cannot be turned to new positions)")
+    profile, source = None, "config"
     values = {name: getattr(config, name) for name in SETTINGS}
-    if config.recompute is None and config.position_strategy == "sequential":
+    if config.recompute is None and position == "sequential":
         profile = find_profile(config.recompute_profile, fingerprint)
-        if profile is not None:
-            for name, value in profile.settings.items():
-                if values[name] is None:
-                    values[name] = value
+        given = dict(profile.settings if profile is not None else MODEL_AGNOSTIC)
+        source = "profile" if profile is not None else "model-agnostic"
+        if config.recompute_ratio is not None and config.recompute_score_mass is None:
+            # A ratio of the user's own without a score mass is a fixed budget of that ratio.
+            given.pop("recompute_score_mass", None)
+            given.pop("recompute_min_ratio", None)
+        for name, value in given.items():
+            if values[name] is None:
+                values[name] = value
     for name, value in DEFAULTS.items():
         if values[name] is None:
             values[name] = value
-    return dataclasses.replace(config, **values), profile
+    return dataclasses.replace(config, position_strategy=position, **values), profile, source

@@ -11,6 +11,9 @@ import torch
 from ..config import DEFAULT_SINK_TOKENS
 from ..inputs.layout import PromptLayout
 
+# CacheBlend's check layer: the first whose K/V deviation shows attention across chunks.
+BLEND_CHECK_LAYER = 1
+
 
 @dataclass(frozen=True, slots=True)
 class RecomputeSpec:
@@ -30,15 +33,22 @@ class RecomputeSpec:
     min_ratio: float = 0.0
 
     @property
-    def scorer(self) -> str | None:
-        """"blend" or "query" when the model scores tokens, else None."""
-        last = self.method.rsplit("+", 1)[-1]
-        return None if last == "sink" else last
+    def scorers(self) -> tuple[str, ...]:
+        """The scorers ("blend", "query") whose probes rank the tokens; () for sink alone."""
+        return tuple(x for x in self.method.split("+") if x != "sink")
 
     @property
-    def probe_layers(self) -> int:
-        """Layers the probe runs through."""
-        return max(self.check_layers) + 1
+    def probes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(scorer, check layers) of each probe the method runs."""
+        return probe_plan(self.method, self.check_layers)
+
+    def combine(self, scores: list[torch.Tensor]) -> torch.Tensor:
+        """One score per chunk token from each probe's (in `probes` order): one probe's as
+        they are; several, each as a share of its total, summed, so each scorer weighs
+        alike."""
+        if len(scores) == 1:
+            return scores[0]
+        return sum(s.double() / s.double().sum().clamp_min(1e-30) for s in scores)
 
     def budget(self, num_chunk_tokens: int) -> int:
         """Tokens recomputed in all (the most, with an adaptive budget): ceil(ratio * n)."""
@@ -64,7 +74,7 @@ class RecomputeSpec:
         """Whether choosing R needs the model: a scorer with budget left after the sinks, and
         a choice to make (not every chunk token, as at r = 1)."""
         total = layout.question_start - layout.system_len
-        return (self.scorer is not None and self.budget(total) > len(self.sink(layout))
+        return (bool(self.scorers) and self.budget(total) > len(self.sink(layout))
                 and self._least(total) < total)
 
     def _least(self, total: int) -> int:
@@ -80,8 +90,8 @@ class RecomputeSpec:
         chosen = self.sink(layout)
         s = layout.system_len
         total = layout.question_start - s
-        rest = self.budget(total) - len(chosen) if self.scorer else 0
-        if self.scorer and self._least(total) >= total:
+        rest = self.budget(total) - len(chosen) if self.scorers else 0
+        if self.scorers and self._least(total) >= total:
             return tuple(range(s, s + total))  # every chunk token: no choice to make
         if rest > 0:
             if scores is None or scores.numel() != total:
@@ -119,6 +129,17 @@ class RecomputeSpec:
                 need = int((held < target).sum()) + 1
         least = _share(self.min_ratio, total) - len(chosen)
         return max(0, min(most, max(need, least)))
+
+
+def probe_plan(method: str, check_layers: tuple[int, ...]
+               ) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(scorer, check layers) of each probe of `method`: its scorer at `check_layers`; in
+    "query+blend" those are the query's, and blend keeps BLEND_CHECK_LAYER (its probe runs
+    every chunk token through the layers up to it, so a deep one costs a prefill's share)."""
+    scorers = [x for x in method.split("+") if x != "sink"]
+    if len(scorers) == 1:
+        return ((scorers[0], check_layers),)
+    return tuple((x, check_layers if x == "query" else (BLEND_CHECK_LAYER,)) for x in scorers)
 
 
 def _share(fraction: float, n: int) -> int:
