@@ -24,6 +24,7 @@ from ragkv import LLM, SamplingParams
 from ragkv.model.backends.base import AttentionBatch, causal_mask
 from ragkv.model.backends.torch_sdpa import (
     build_decode_turns,
+    turn_keys,
     turned_attention,
     turned_decode,
     turned_keys_attention,
@@ -511,6 +512,39 @@ def test_scattered_queries_see_the_entries_up_to_their_own():
     for attend in (turned_attention, turned_keys_attention):
         got = attend(q, ks.clone(), vs, (), None, 0.2, mask)
         assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["scattered", "contiguous", "contiguous-long-prefix"])
+def test_many_queries_skip_the_masked_part_and_attend_as_one_masked_call(kind):
+    """Many queries at given entries (a selective recompute; r = 1 is the contiguous run after
+    S): the keys-turning route runs scattered queries in row blocks over the entries up to
+    each block's widest view, and a contiguous run as SDPA's causal case (queries padded in
+    front); both equal one SDPA call with the whole explicit mask."""
+    gen = torch.Generator().manual_seed(9)
+    heads, kv_heads, d, k_len = 4, 2, 16, 300
+    if kind == "scattered":
+        at = torch.sort(torch.randperm(k_len - 20, generator=gen)[:170]).values + 20
+    else:
+        first = 40 if kind == "contiguous" else 200  # a prefix shorter / longer than the run
+        at = torch.arange(first, k_len)
+    n = len(at)
+    batch = AttentionBatch(q_lens=[n], kv_lens=[k_len], q_starts=[0], kv_indices=[],
+                           write_slots=torch.zeros(n), num_heads=heads, num_kv_heads=kv_heads,
+                           query_index=[at])
+    mask = batch.mask(0, torch.device("cpu"))
+    q = torch.randn(n, heads, d, generator=gen)
+    ks = torch.randn(k_len, kv_heads, d, generator=gen)
+    vs = torch.randn(k_len, kv_heads, d, generator=gen)
+    rot = RotaryEmbedding(d, ROPES["llama3"], 512, 512, torch.float32, torch.device("cpu"))
+    table = TurnTable.build(rot, [7, 60])
+    turns = ((20, 90, 0), (90, 250, 1))
+    full = torch.arange(k_len)[None, :] <= at[:, None]
+    turned = turn_keys(ks.clone(), turns, table)
+    want = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], turned.transpose(0, 1)[None], vs.transpose(0, 1)[None],
+        attn_mask=full, scale=0.2, enable_gqa=True)[0].transpose(0, 1)
+    got = turned_keys_attention(q, ks.clone(), vs, turns, table, 0.2, mask)
+    assert (got - want).abs().max() < 1e-5
 
 
 def test_batched_turned_decode_equals_one_row_at_a_time():

@@ -174,18 +174,44 @@ def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
     float32 it is turned in place. Turning queries costs q_len rows per range and
     scores materialized range by range; turning keys costs the ranges' rows once, so it wins
     once a sequence has more than a few queries (selectively recomputed chunk tokens)."""
-    q_len, heads, _ = q.shape
+    q_len, heads, d = q.shape
     k_len = ks.shape[0]
     ks = turn_keys(ks, turns, table)
-    full = None
-    if mask is not None:
-        seen = mask.new_ones(q_len, k_len - mask.shape[1])
-        full = torch.cat([seen, mask], dim=1) if seen.shape[1] else mask
-    o = F.scaled_dot_product_attention(
-        q.float().transpose(0, 1).unsqueeze(0), ks.transpose(0, 1).unsqueeze(0),
-        vs.float().transpose(0, 1).unsqueeze(0), attn_mask=full, scale=scale,
-        enable_gqa=heads != ks.shape[1])
-    return o[0].transpose(0, 1).to(q.dtype)
+    qf, vs = q.float(), vs.float()
+
+    def sdpa(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             attn_mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        o = F.scaled_dot_product_attention(
+            rows.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=attn_mask, is_causal=causal,
+            scale=scale, enable_gqa=heads != keys.shape[1])
+        return o[0].transpose(0, 1)
+
+    if mask is None:
+        return sdpa(qf, ks, vs, None).to(q.dtype)
+    m = mask.shape[1]
+    seen = k_len - m  # entries every query sees
+    if m == q_len and 2 * q_len > k_len:
+        # Each row of a mask sees a prefix of its entries (queries ascend), so a square mask
+        # is causal: the queries are the last q_len entries. Padded in front with `seen` zero
+        # rows (their output dropped), it is SDPA's own causal case, whose kernel skips the
+        # masked blocks: half the work of an explicit mask (r = 1 costs a full prefill).
+        if seen:
+            qf = torch.cat([qf.new_zeros(seen, heads, d), qf])
+        return sdpa(qf, ks, vs, None, causal=True)[seen:].to(q.dtype)
+    # Scattered queries (a selective recompute): row blocks, each over the entries up to the
+    # widest view among its rows (its last), so the masked tail is not computed.
+    out = torch.empty(q_len, heads, d, dtype=q.dtype, device=q.device)
+    block = max(64, -(-q_len // 4))
+    for t0 in range(0, q_len, block):
+        t1 = min(q_len, t0 + block)
+        width = int(mask[t1 - 1].sum())
+        rows = mask[t0:t1, :width]
+        if seen:
+            rows = torch.cat([rows.new_ones(t1 - t0, seen), rows], dim=1)
+        end = seen + width
+        out[t0:t1] = sdpa(qf[t0:t1], ks[:end], vs[:end], rows).to(q.dtype)
+    return out
 
 
 # From this many queries on, a sequence with turns turns its keys instead of its queries.
