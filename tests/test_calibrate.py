@@ -94,6 +94,33 @@ def test_users_settings_win_and_shared_positions_use_no_profile(cache_dir):
                 llm.engine.recompute_source) == (method, ratio, source), kwargs
 
 
+def test_a_profiles_check_layers_serve_only_its_own_scorers(cache_dir, tmp_path, monkeypatch):
+    """A profile's check layers were calibrated for its method's scorers: a request naming
+    another scorer probes at that scorer's default layers, while layers the user gives apply
+    to every method. `sink` alone reports no check layers."""
+    data = json.loads(cache_dir.read_text())
+    data["settings"] = {"recompute": "query", "recompute_ratio": 0.5,
+                        "recompute_check_layers": [0]}
+    monkeypatch.setenv("RAGKV_PROFILE_DIR", str(tmp_path))
+    write_profile(data, tmp_path / cache_dir.name)
+    llm = LLM(MODEL, device="cpu")
+    assert llm.engine.config.recompute_check_layers == (0,)
+    prompt = RAGPrompt([1, 2], [[3, 4, 5], [6, 7]], [8, 9])
+
+    def layers(engine, method):
+        return engine.inputs.process(dataclasses.replace(prompt, recompute=method)
+                                     ).recompute.check_layers
+
+    assert layers(llm.engine, None) == layers(llm.engine, "sink+query") == (0,)
+    # Other scorers (a combination too) probe at their defaults: blend layer 1, query 0 and 1.
+    assert layers(llm.engine, "blend") == (1,) and layers(llm.engine, "query+blend") == (0, 1)
+    own = LLM(MODEL, device="cpu", recompute_check_layers=(0,)).engine
+    assert layers(own, "blend") == (0,)
+    sink = LLM(MODEL, device="cpu", recompute="sink").engine
+    assert sink.recompute_settings()["recompute_check_layers"] is None
+    assert "check layers" not in sink.describe_rag_default()
+
+
 def test_another_models_profile_is_never_used(cache_dir, tmp_path):
     other = LLM("builtin:small", device="cpu", position_strategy="sequential")
     assert other.engine.recompute_profile is None  # its fingerprint names no file

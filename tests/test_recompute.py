@@ -615,6 +615,34 @@ def test_a_failed_step_fails_the_requests_waiting_for_their_choice():
     cache.check_integrity({})
 
 
+def test_a_failed_step_with_two_probes_fails_their_request_once(llama, monkeypatch):
+    """A warm `query+blend` request (S from the prefix cache, its chunks from the chunk cache)
+    has nothing in its first step but its two probes: when that step fails, the request fails
+    once, the engine goes on, and every slot comes back."""
+    path, _ = llama
+    llm = make_llm(path, kv_cache_tokens=1024)
+    S, A, B = random_prompt(6, seed=160), random_prompt(12, seed=161), random_prompt(9, seed=162)
+    llm.generate([RAGPrompt(S, [A, B], random_prompt(3, seed=163))], GREEDY, use_tqdm=False)
+    engine = llm.engine
+    execute = engine.runner.execute
+
+    def fail_probes(works, probes=()):
+        if probes:
+            assert len(probes) == 2 and not works
+            raise RuntimeError("boom")
+        return execute(works, probes)
+
+    monkeypatch.setattr(engine.runner, "execute", fail_probes)
+    prompt = RAGPrompt(S, [B, A], random_prompt(4, seed=164), position_strategy="sequential",
+                       recompute="query+blend", recompute_ratio=0.3)
+    out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error" and "boom" in out.error
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].finish_reason == "length"
+    llm.check_integrity()
+
+
 def test_check_layers_default_per_scorer(llama):
     """Unset check layers are the scorer's: `query` probes at 13/27/40% of the depth (the
     layers measured on SmolLM2's 30), `blend` at layer 1; configured ones are kept."""

@@ -728,3 +728,14 @@ def test_a_schema_over_the_grammar_budget_is_a_400_and_stalls_nobody(server, off
         error = bad.json()["error"]
         assert error["type"] == "invalid_request_error" and "GrammarBudgetError" in error["message"]
     assert wait_idle(server)["ok"]
+
+
+def test_every_recompute_method_is_a_valid_request_field():
+    """The request schema takes every method the engine has (a `Literal` kept by hand)."""
+    from ragkv.config import RECOMPUTE_METHODS
+    from ragkv.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    for method in RECOMPUTE_METHODS:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "recompute": method})
+        ChatCompletionRequest.model_validate({"model": "m", "recompute": method,
+                                              "messages": [{"role": "user", "content": "x"}]})

@@ -69,9 +69,13 @@ class Engine:
         self.model_config = mc = checkpoint.model_config
         # The default layout and every recompute setting made concrete: the quality mode
         # (sequential + the model's calibrated recompute) where the user left them unset.
+        given_layers = config.recompute_check_layers
         config, self.recompute_profile, self.recompute_source = resolve_recompute(
             config, checkpoint.fingerprint, mc.rope.get("rope_type") == "dynamic")
         self.config = config
+        # Check layers the user gave apply to every method; a profile's only to its own
+        # scorers (they were calibrated for them).
+        self.user_check_layers = given_layers
         logger.info("RAG default: %s", self.describe_rag_default())
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device, parse_torch_dtype(checkpoint.torch_dtype))
@@ -96,7 +100,8 @@ class Engine:
         # Built before the pool and the runner: it refuses settings the model cannot serve.
         self.inputs = InputProcessor(config, mc, self.tokenizer, self.max_model_len,
                                      self.eos_token_ids, self.model.rotary.dynamic, keys,
-                                     self.token_cache, self.structured)
+                                     self.token_cache, self.structured,
+                                     layers_for_all=given_layers is not None)
         self.pool = KVPool(mc.num_layers, size.num_slots, mc.num_kv_heads, mc.head_dim,
                            self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.pool, config, self.max_model_len)
@@ -162,7 +167,9 @@ class Engine:
         used), as plain values."""
         c, profile = self.config, self.recompute_profile
         layers = c.recompute_check_layers
-        if c.recompute != "none" and layers is None:
+        if c.recompute == "sink":  # probes nothing
+            layers = None
+        elif c.recompute != "none" and layers is None:
             layers = check_layers_for(c.recompute, None, self.model_config.num_layers)
         return {"position_strategy": c.position_strategy,
                 "chunk_attention": c.chunk_attention, "recompute": c.recompute,

@@ -54,8 +54,11 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer,
                  max_model_len: int, eos_token_ids: frozenset[int], dynamic_rope: bool,
                  chunk_keys: ChunkKeys | None, token_cache: TokenCache | None,
-                 structured: StructuredOutputs) -> None:
-        """`chunk_keys`: the engine's chunk keys (None without a chunk cache)."""
+                 structured: StructuredOutputs, layers_for_all: bool = True) -> None:
+        """`chunk_keys`: the engine's chunk keys (None without a chunk cache);
+        `layers_for_all`: the configured check layers apply to every method (the user's),
+        else only to methods with the engine's scorers (a calibrated profile's)."""
+        self.layers_for_all = layers_for_all
         self.config = config
         self.model_config = model_config
         self.tokenizer = tokenizer
@@ -165,7 +168,8 @@ class InputProcessor:
             recompute = recompute_spec(self.config, parsed.recompute, parsed.recompute_ratio,
                                        parsed.recompute_sink_tokens, strategy,
                                        self.model_config.num_layers,
-                                       parsed.recompute_score_mass, parsed.recompute_min_ratio)
+                                       parsed.recompute_score_mass, parsed.recompute_min_ratio,
+                                       self.layers_for_all)
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
         keys = ()

@@ -320,8 +320,9 @@ class Scheduler:
         step was completing), with FINISHED_ERROR. Their slots come back; chunk entries they
         were computing are dropped; nothing else changes. Returns the failed requests."""
         failed = out.requests()
-        failed += [p.request for p in out.probes
-                   if p.request not in failed and not p.request.status.finished]
+        for probe in out.probes:  # a request may have several probes (query+blend): once
+            if probe.request not in failed and not probe.request.status.finished:
+                failed.append(probe.request)
         for req in failed:
             req.error = message
             self.finish(req, RequestStatus.FINISHED_ERROR)

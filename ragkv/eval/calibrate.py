@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from .. import __version__
 from ..llm import LLM
-from ..recompute.policy import check_layers_for
+from ..recompute.policy import check_layers_for, configured_layers
 from ..recompute.profile import FORMAT, VERSION
 from ..recompute.selection import probe_plan
 from .evaluate import EvalResult, evaluate, pick_items, summarize
@@ -79,21 +79,24 @@ def within_noise(reference_only: int, mode_only: int) -> bool:
     return reference_only - mode_only <= 1.96 * math.sqrt(reference_only + mode_only)
 
 
-def mode_settings(name: str, num_layers: int, configured_layers: tuple[int, ...] | None
+def mode_settings(name: str, num_layers: int, layers: tuple[int, ...] | None
                   ) -> dict:
     """The engine settings (EngineConfig fields) of the recompute mode `name`, with the check
     layers its scorer probes on this model."""
     settings = recompute_mode_settings(name)
     method = settings["recompute"]
     if method != "sink":
-        settings["recompute_check_layers"] = list(check_layers_for(method, configured_layers,
+        settings["recompute_check_layers"] = list(check_layers_for(method, layers,
                                                                    num_layers))
     return settings
 
 
 def curve(results: list[EvalResult], candidates: Sequence[str], num_layers: int,
-          configured_layers: tuple[int, ...] | None, target: float) -> list[CurvePoint]:
-    """Each candidate's point from the eval results (which hold `full` and `sequential`)."""
+          candidate_layers: dict[str, tuple[int, ...] | None], target: float
+          ) -> list[CurvePoint]:
+    """Each candidate's point from the eval results (which hold `full` and `sequential`);
+    `candidate_layers`: each candidate's configured check layers (None: its scorer's
+    default)."""
     summary = summarize(results)
     full = summary[REFERENCE]["overall"]["gold_logprob"]
     sequential = summary["sequential"]["overall"]["gold_logprob"]
@@ -102,7 +105,7 @@ def curve(results: list[EvalResult], candidates: Sequence[str], num_layers: int,
     for name in candidates:
         data = summary[name]
         g, agree = data["overall"], data["agreement"]
-        settings = mode_settings(name, num_layers, configured_layers)
+        settings = mode_settings(name, num_layers, candidate_layers[name])
         closed = (g["gold_logprob"] - sequential) / gap if gap > 0 else 1.0
         probe = 0.0
         if settings["recompute"] != "sink":
@@ -156,7 +159,10 @@ def calibrate(llm: LLM, model_name: str, target: float = DEFAULT_TARGET, quick: 
     items = pick_items(build_suite(per_task, seed=suite_seed), n)
     engine = llm.engine
     num_layers = engine.model_config.num_layers
-    configured = engine.config.recompute_check_layers
+    # The check layers each candidate probes, as the engine applies them.
+    configured = {name: configured_layers(engine.config, recompute_mode_settings(name)["recompute"],
+                                          engine.user_check_layers is not None)
+                  for name in candidates}
     start = time.monotonic()
     results = evaluate(llm, items, ["sequential", *candidates], max_tokens=max_tokens,
                        progress=progress, batch_size=batch_size)

@@ -29,12 +29,14 @@ def check_layers_for(method: str, configured: tuple[int, ...] | None,
 
 def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None,
                    sink_tokens: int | None, position_strategy: str, num_layers: int,
-                   score_mass: float | None = None,
-                   min_ratio: float | None = None) -> RecomputeSpec | None:
+                   score_mass: float | None = None, min_ratio: float | None = None,
+                   layers_for_all: bool = True) -> RecomputeSpec | None:
     """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens` and adaptive
     budget, else the engine's), or None; raises ValueError for one its layout or the model
     cannot do. The engine's recompute is for sequential layouts: a prompt that asks for shared
-    positions without naming a method gets none."""
+    positions without naming a method gets none. Without `layers_for_all` (the engine's check
+    layers came from a calibrated profile), they serve only methods with the engine's
+    scorers; another method probes at its own default layers."""
     if method is None and position_strategy != "sequential":
         method = "none"
     method = config.recompute if method is None else method
@@ -56,9 +58,22 @@ def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None
     if position_strategy != "sequential":
         raise ValueError(f"recompute={method!r} recomputes chunk tokens in the sequential "
                          f"layout, not with position_strategy={position_strategy!r}")
-    return RecomputeSpec(method, float(ratio), sink,
-                         check_layers(method, config.recompute_check_layers, num_layers),
+    layers = configured_layers(config, method, layers_for_all)
+    return RecomputeSpec(method, float(ratio), sink, check_layers(method, layers, num_layers),
                          None if mass is None else float(mass), float(low))
+
+
+def configured_layers(config: EngineConfig, method: str, layers_for_all: bool
+                      ) -> tuple[int, ...] | None:
+    """The engine's check layers as they apply to `method`: to every method when the user
+    gave them (`layers_for_all`), else (a profile's) only to methods with the engine's own
+    scorers; None: the method's default."""
+    def scorers(m: str) -> tuple[str, ...]:
+        return tuple(x for x in m.split("+") if x != "sink")
+
+    if layers_for_all or scorers(method) == scorers(config.recompute):
+        return config.recompute_check_layers
+    return None
 
 
 def check_layers(method: str, configured: tuple[int, ...] | None,

@@ -75,7 +75,8 @@ class _SamplingFields(BaseModel):
     position_strategy: Literal["shared", "sequential"] | None = None
     chunk_attention: Literal["isolated", "standalone"] | None = None
     # Selective recompute of this request (None: the server's default; see config.py).
-    recompute: Literal["none", "blend", "sink", "query", "sink+blend", "sink+query"] | None = None
+    recompute: Literal["none", "blend", "sink", "query", "sink+blend", "sink+query",
+                       "query+blend"] | None = None
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     recompute_sink_tokens: int | None = Field(default=None, ge=0)
     recompute_score_mass: float | None = Field(default=None, gt=0.0, le=1.0)
