@@ -135,10 +135,8 @@ def _default_probes(llm: LLM) -> list[tuple[str, list[int]]] | None:
     settings = llm.engine.recompute_settings()
     if settings["position_strategy"] != "sequential" or settings["recompute"] == "none":
         return None
-    if settings["recompute"] == "sink":
-        return []
     return [(kind, list(layers)) for kind, layers in
-            probe_plan(settings["recompute"], tuple(settings["recompute_check_layers"]))]
+            probe_plan(settings["recompute"], settings["recompute_check_layers"])]
 
 
 def run_hf(model: str, requests: list[BenchRequest], progress: bool = True) -> dict:

@@ -73,9 +73,6 @@ class Engine:
         config, self.recompute_profile, self.recompute_source = resolve_recompute(
             config, checkpoint.fingerprint, mc.rope.get("rope_type") == "dynamic")
         self.config = config
-        # Check layers the user gave apply to every method; a profile's only to its own
-        # scorers (they were calibrated for them).
-        self.user_check_layers = given_layers
         logger.info("RAG default: %s", self.describe_rag_default())
         self.device = resolve_device(config)
         self.dtype = resolve_dtype(config, self.device, parse_torch_dtype(checkpoint.torch_dtype))
@@ -101,6 +98,8 @@ class Engine:
         self.inputs = InputProcessor(config, mc, self.tokenizer, self.max_model_len,
                                      self.eos_token_ids, self.model.rotary.dynamic, keys,
                                      self.token_cache, self.structured,
+                                     # Check layers the user gave serve every method; a
+                                     # profile's only its own scorers (calibrated for them).
                                      layers_for_all=given_layers is not None)
         self.pool = KVPool(mc.num_layers, size.num_slots, mc.num_kv_heads, mc.head_dim,
                            self.dtype, self.device)

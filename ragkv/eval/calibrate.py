@@ -108,11 +108,10 @@ def curve(results: list[EvalResult], candidates: Sequence[str], num_layers: int,
         settings = mode_settings(name, num_layers, candidate_layers[name])
         closed = (g["gold_logprob"] - sequential) / gap if gap > 0 else 1.0
         probe = 0.0
-        if settings["recompute"] != "sink":
-            for kind, layers in probe_plan(settings["recompute"],
-                                           tuple(settings["recompute_check_layers"])):
-                if kind == "blend":  # every chunk token through its layers
-                    probe += (max(layers) + 1) / num_layers
+        for kind, layers in probe_plan(settings["recompute"],
+                                       settings.get("recompute_check_layers")):
+            if kind == "blend":  # every chunk token through its layers
+                probe += (max(layers) + 1) / num_layers
         quiet = within_noise(agree["reference_only"], agree["mode_only"])
         points.append(CurvePoint(
             mode=name, settings=settings, accuracy=g["accuracy"],
@@ -161,7 +160,7 @@ def calibrate(llm: LLM, model_name: str, target: float = DEFAULT_TARGET, quick: 
     num_layers = engine.model_config.num_layers
     # The check layers each candidate probes, as the engine applies them.
     configured = {name: configured_layers(engine.config, recompute_mode_settings(name)["recompute"],
-                                          engine.user_check_layers is not None)
+                                          engine.inputs.layers_for_all)
                   for name in candidates}
     start = time.monotonic()
     results = evaluate(llm, items, ["sequential", *candidates], max_tokens=max_tokens,

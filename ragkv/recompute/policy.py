@@ -4,7 +4,7 @@ against its layout and the model, and each scorer's check layers."""
 from __future__ import annotations
 
 from ..config import EngineConfig, check_adaptive, check_recompute
-from .selection import BLEND_CHECK_LAYER, RecomputeSpec, probe_plan
+from .selection import BLEND_CHECK_LAYER, RecomputeSpec, method_scorers, probe_plan
 
 # Check layers of `query` when none are configured, as fractions of the model's depth. Its
 # probe runs only the question's tokens, so deeper layers cost almost nothing, and there the
@@ -21,7 +21,7 @@ def check_layers_for(method: str, configured: tuple[int, ...] | None,
     default on a model of `num_layers` layers."""
     if configured is not None:
         return configured
-    if "query" in method.split("+"):  # with query+blend, blend keeps BLEND_CHECK_LAYER
+    if "query" in method_scorers(method):  # with query+blend, blend keeps BLEND_CHECK_LAYER
         return tuple(sorted({min(num_layers - 1, round(f * num_layers))
                              for f in QUERY_CHECK_DEPTHS}))
     return (BLEND_CHECK_LAYER,)  # a one-layer model has no deviation to score
@@ -68,10 +68,7 @@ def configured_layers(config: EngineConfig, method: str, layers_for_all: bool
     """The engine's check layers as they apply to `method`: to every method when the user
     gave them (`layers_for_all`), else (a profile's) only to methods with the engine's own
     scorers; None: the method's default."""
-    def scorers(m: str) -> tuple[str, ...]:
-        return tuple(x for x in m.split("+") if x != "sink")
-
-    if layers_for_all or scorers(method) == scorers(config.recompute):
+    if layers_for_all or method_scorers(method) == method_scorers(config.recompute):
         return config.recompute_check_layers
     return None
 
@@ -86,7 +83,7 @@ def check_layers(method: str, configured: tuple[int, ...] | None,
         which = "" if configured is not None else f" ({method}'s default)"
         raise ValueError(f"recompute_check_layers={layers}{which} names layer {bad[0]}; "
                          f"the model has layers 0 .. {num_layers - 1}")
-    for scorer, probed in probe_plan(method, layers) if method != "sink" else ():
+    for scorer, probed in probe_plan(method, layers):
         if max(probed) >= num_layers:
             raise ValueError(f"recompute={method!r}: its {scorer} probe checks layer "
                              f"{max(probed)}; the model has layers 0 .. {num_layers - 1}")

@@ -35,7 +35,7 @@ class RecomputeSpec:
     @property
     def scorers(self) -> tuple[str, ...]:
         """The scorers ("blend", "query") whose probes rank the tokens; () for sink alone."""
-        return tuple(x for x in self.method.split("+") if x != "sink")
+        return method_scorers(self.method)
 
     @property
     def probes(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -131,12 +131,19 @@ class RecomputeSpec:
         return max(0, min(most, max(need, least)))
 
 
-def probe_plan(method: str, check_layers: tuple[int, ...]
+def method_scorers(method: str) -> tuple[str, ...]:
+    """The scorers of a recompute method (config.RECOMPUTE_METHODS): "sink+query" -> ("query",),
+    "query+blend" -> ("query", "blend"), "sink" -> ()."""
+    return tuple(x for x in method.split("+") if x not in ("sink", "none"))
+
+
+def probe_plan(method: str, check_layers: tuple[int, ...] | None
                ) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(scorer, check layers) of each probe of `method`: its scorer at `check_layers`; in
-    "query+blend" those are the query's, and blend keeps BLEND_CHECK_LAYER (its probe runs
-    every chunk token through the layers up to it, so a deep one costs a prefill's share)."""
-    scorers = [x for x in method.split("+") if x != "sink"]
+    """(scorer, check layers) of each probe of `method` (none for `sink` alone): its scorer at
+    `check_layers`; in "query+blend" those are the query's, and blend keeps BLEND_CHECK_LAYER
+    (its probe runs every chunk token through the layers up to it, so a deep one costs a
+    prefill's share)."""
+    scorers = method_scorers(method)
     if len(scorers) == 1:
         return ((scorers[0], check_layers),)
     return tuple((x, check_layers if x == "query" else (BLEND_CHECK_LAYER,)) for x in scorers)
