@@ -18,6 +18,12 @@ names another layout; the engine's own default, the quality mode, is not what is
   (floor: the prefills' FLOPs at peak + 32 decode steps at the batch-16 floor);
 - warm RAG TTFT with the chunks re-positioned (sequential layout, no recompute: keys turned in
   the kernels' loads) and with selective recompute (blend, 15%), against the shared layout;
+- `recompute`: the same warm request in the quality modes against the full prefill of its flat
+  prompt, each with its recomputed share and its probe's time: sequential alone, `query` at a
+  fixed 10% and 15%, the engine's model-agnostic default (`query`, 0.1-0.5 holding 0.9 of the
+  scores; random weights spread their attention, so it takes the cap) and `blend` 15%; a
+  recompute step of at most 512 tokens runs the indexed extend graph, measured against the
+  same engine with its extend graphs set aside (eager, as every recompute step ran before);
 - decode at batch 32 over re-positioned chunks (sequential layout, no recompute, through CUDA
   graphs) against the same requests in the shared layout, and sampled decode (seeded,
   temperature, top-k, top-p) against greedy;
@@ -115,7 +121,7 @@ def compiled_variants() -> int | None:
     return total if torch.cuda.is_available() else None
 
 
-ROWS = ("prefill", "rag", "decode", "sampled", "mixed", "ragbench")
+ROWS = ("prefill", "rag", "recompute", "decode", "sampled", "mixed", "ragbench")
 
 
 def profile_request(run, out_dir: str, label: str, calls: int = 50) -> None:
@@ -579,6 +585,90 @@ def main() -> None:
                      floor, f"cache off {text_uncached * 1e3:.1f} ms"))
         say(f"RAG TTFT as text: tokenizer cache on {text_cached * 1e3:.1f} ms, off "
             f"{text_uncached * 1e3:.1f} ms")
+
+    if "recompute" in want:
+        # The quality modes on one warm request (128 + 8 x doc_len + 64, every chunk cached):
+        # TTFT, recomputed share and probe time, against the full prefill of the flat prompt.
+        from ragkv.recompute.probe import ProbeWork
+
+        r_system = ids(128, rng)
+        r_docs = [ids(doc_len, rng) for _ in range(8)]
+        generate([RAGPrompt(r_system, r_docs, ids(64, rng))], 1)  # caches the chunks
+        probe_times: list[float] = []
+        probe_run = ProbeWork.run
+
+        def timed_probe(self, model, pool, *backend):
+            sync(device)
+            start = time.perf_counter()
+            scores = probe_run(self, model, pool, *backend)  # ends on the host (.cpu())
+            probe_times.append(time.perf_counter() - start)
+            return scores
+
+        def quality_ttft(**layout) -> dict:
+            """Median TTFT, recomputed share and probe time of `reps` warm requests (after one
+            more), each with the documents in a new order and a new question."""
+            times, shares = [], []
+            probe_times.clear()
+            for _ in range(reps + 1):
+                order = r_docs[:]
+                rng.shuffle(order)
+                prompt = RAGPrompt(r_system, order, ids(64, rng), **layout)
+                outs = []
+                times.append(timed(lambda p=prompt, outs=outs: outs.extend(llm.generate(
+                    [p], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)),
+                    device))
+                shares.append(outs[0].metrics.num_recomputed_tokens / (8 * doc_len))
+            return {"ttft": statistics.median(times[1:]), "share": statistics.median(shares),
+                    "probe": statistics.median(probe_times[1:]) if probe_times else 0.0}
+
+        flat = r_system + [t for d in r_docs for t in d] + ids(64, rng)
+        full_t = []
+        for _ in range(reps + 1):
+            llm.reset_prefix_cache()
+            full_t.append(generate([{"prompt_token_ids": flat}], 1))
+        full = statistics.median(full_t[1:])
+        floor = decode_floor(1, 0)
+        fig["recompute"] = {"full_prefill": full}
+        rows.append((f"full prefill, {len(flat)}-token flat RAG prompt", full, None,
+                     prefill_flops(len(flat)) / floors["flops"], ""))
+        say(f"quality modes: full prefill of the flat prompt {full * 1e3:.1f} ms")
+        ProbeWork.run = timed_probe
+        try:
+            modes = [
+                ("shared (exact reuse)", dict(position_strategy="shared"), True),
+                ("sequential", dict(position_strategy="sequential", recompute="none"), True),
+                ("sequential + query 10%", dict(position_strategy="sequential",
+                                                recompute="query", recompute_ratio=0.1), True),
+                ("sequential + query 10%, eager", dict(position_strategy="sequential",
+                                                       recompute="query",
+                                                       recompute_ratio=0.1), False),
+                ("sequential + query 15%", dict(position_strategy="sequential",
+                                                recompute="query", recompute_ratio=0.15), True),
+                ("default (query 0.1-0.5, mass 0.9)", dict(
+                    position_strategy="sequential", recompute="query", recompute_ratio=0.5,
+                    recompute_min_ratio=0.1, recompute_score_mass=0.9), True),
+                ("sequential + blend 15%", dict(position_strategy="sequential",
+                                                recompute="blend", recompute_ratio=0.15), True),
+            ]
+            for name, layout, graphed in modes:
+                runner = llm.engine.runner
+                saved = runner.extend_graphs
+                if not graphed:
+                    runner.extend_graphs = None
+                try:
+                    got = quality_ttft(**layout)
+                finally:
+                    runner.extend_graphs = saved
+                fig["recompute"][name] = got
+                rows.append((f"warm RAG TTFT, {name}", got["ttft"], None, floor,
+                             f"{full / got['ttft']:.2f}x faster than full prefill; "
+                             f"recomputed {100 * got['share']:.0f}%, probe "
+                             f"{got['probe'] * 1e3:.2f} ms"))
+                say(f"RAG TTFT {name}: {got['ttft'] * 1e3:.1f} ms ({full / got['ttft']:.2f}x "
+                    f"below full prefill), recomputed {100 * got['share']:.1f}%, probe "
+                    f"{got['probe'] * 1e3:.2f} ms")
+        finally:
+            ProbeWork.run = probe_run
 
     if "decode" in want:
         # Decode.

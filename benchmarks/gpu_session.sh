@@ -8,6 +8,8 @@
 #                                             # table and ragkv bench's workload
 #   bash benchmarks/gpu_session.sh profile    # device call 2, carry [".whl"]: rag rows with
 #                                             # profiles + the whole suite
+#   bash benchmarks/gpu_session.sh recompute  # one device call, carry [".whl"]: the quality
+#                                             # modes' rows, then the GPU and recompute tests
 #   bash benchmarks/gpu_session.sh smoke      # here: the same bench commands, tiny, on CPU
 #
 # The device image has PyTorch, Triton, transformers, hypothesis, httpx, xxhash, numpy and
@@ -62,6 +64,14 @@ profile)
     start=$(date +%s)
     python3 -m pytest -q -n 8 -rfE --durations=15 2>&1 | tee "$OUT/pytest.log"
     echo "whole suite: $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
+    ;;
+recompute)
+    on_device
+    # Timings first, on an idle GPU; then the tests that run the kernels and graphs.
+    python3 benchmarks/bench_gpu.py --rows recompute --skip-hf --skip-rag-bench \
+        --json "$OUT/recompute.json" 2>&1 | tee "$OUT/bench_recompute.log"
+    timeout 240 python3 -m pytest -q -n 8 -rfE tests/test_triton_kernels.py tests/test_gpu.py \
+        tests/test_positions.py tests/test_recompute.py 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
 smoke)
     tiny=(--layers 2 --hidden 256 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096

@@ -259,13 +259,13 @@ class _EagerGraph:
 
 
 def _stand_in_graphs(graphs, rows) -> None:
-    """Every (size, turning) graph of `graphs` (DecodeGraphs or ExtendGraphs) replaced by a
+    """Every (size, variant) graph of `graphs` (DecodeGraphs or ExtendGraphs) replaced by a
     stand-in replaying the step it would capture, into logits of `rows(size)` rows."""
     vocab = graphs.model.config.vocab_size
     for size in graphs.sizes:
-        for turning in (False, True):
-            stand_in = _EagerGraph(graphs.graph_forward(size, turning), rows(size), vocab)
-            graphs.graphs[(size, turning)] = (stand_in, stand_in.logits)
+        for variant in graphs.variants:
+            stand_in = _EagerGraph(graphs.graph_forward(size, variant), rows(size), vocab)
+            graphs.graphs[(size, variant)] = (stand_in, stand_in.logits)
 
 
 @pytest.mark.parametrize("layout", [SEQ_ISO, SEQ_ALONE], ids=LAYOUT_IDS[::2])
@@ -303,8 +303,24 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     replays = {key: g.replays for key, (g, _) in graphs.graphs.items()
                if isinstance(g, _EagerGraph)}
     if replays:  # steps with re-positioned rows ran the turning graph, the others the plain
-        assert sum(n for (_, turning), n in replays.items() if turning) > 0
-        assert sum(n for (_, turning), n in replays.items() if not turning) > 0
+        assert sum(n for (_, variant), n in replays.items() if variant == "turning") > 0
+        assert sum(n for (_, variant), n in replays.items() if variant == "plain") > 0
+
+
+def _extend_graphed_llm(llama, max_tokens: int):
+    """The Triton engine with its extend graphs up to `max_tokens` (stand-ins without a GPU),
+    HF, and the graphs."""
+    from ragkv.model.backends.cuda_graph import ExtendGraphs
+
+    llm, hf = _triton_llm(llama, max_num_batched_tokens=max_tokens)
+    engine = llm.engine
+    graphs = engine.runner.extend_graphs
+    if graphs is None:
+        graphs = ExtendGraphs(engine.model, engine.pool, engine.runner.backend,
+                              engine.runner.slot_table, max_tokens, engine.max_model_len)
+        _stand_in_graphs(graphs, rows=lambda size: 1)
+        engine.runner.extend_graphs = graphs
+    return llm, hf, graphs
 
 
 def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
@@ -316,16 +332,7 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
     without one, stand-ins that run the same forward on the same buffers (Triton
     interpreted)."""
     pytest.importorskip("triton")
-    from ragkv.model.backends.cuda_graph import ExtendGraphs
-
-    llm, hf = _triton_llm(llama, max_num_batched_tokens=32)
-    engine = llm.engine
-    graphs = engine.runner.extend_graphs
-    if graphs is None:
-        graphs = ExtendGraphs(engine.model, engine.pool, engine.runner.backend,
-                              engine.runner.slot_table, 32, engine.max_model_len)
-        _stand_in_graphs(graphs, rows=lambda size: 1)
-        engine.runner.extend_graphs = graphs
+    llm, hf, graphs = _extend_graphed_llm(llama, 32)
     assert graphs.sizes == [8, 16, 32]
     runs = []
     original = graphs.run
@@ -351,6 +358,51 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
     replays = [g.replays for g, _ in graphs.graphs.values() if isinstance(g, _EagerGraph)]
     if replays:
         assert sum(replays) == graphed
+
+
+def test_extend_graphs_serve_recompute_steps(llama, monkeypatch):
+    """A recomputed request's last step (its chosen chunk tokens at their entries of the list,
+    then its question) runs as one sequence through the "indexed" extend graph: at r = 1 the
+    full prefill of the flat prompt (HF), between the ends the same tokens and first-token
+    logprobs as the eager torch engine, with and without re-positioned chunks. On a GPU the
+    engine's real graphs; without one, stand-ins (Triton interpreted)."""
+    pytest.importorskip("triton")
+    from test_recompute import check, rc
+
+    llm, hf, graphs = _extend_graphed_llm(llama, 64)
+    engine = llm.engine
+    runs = []
+    original = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda works: runs.append(
+        tuple(len(w.token_ids) for w in works)) or original(works))
+    S, A, B, C = (random_prompt(n, seed=160 + n) for n in (7, 19, 11, 23))
+    llm.generate([rag(S, [A, B, C], random_prompt(3, seed=169))], GREEDY, use_tqdm=False)
+    # r = 1, warm: every chunk token recomputed with the question, in one graph of 64.
+    prompt = rc(S, [B, A], random_prompt(5, seed=170), "query", 1.0)
+    check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0], "full")
+    llm.check_integrity()
+    assert (30, 5) in runs
+    # Between the ends: against the torch engine run eagerly.
+    prompts = [rc(S, [C, A], random_prompt(6, seed=171), "query", 0.4),
+               rc(S, [A, C], random_prompt(4, seed=172), "sink+blend", 0.3),
+               rc(S, [A], random_prompt(5, seed=173), "query", 0.5)]  # no re-positioned key
+    got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    llm.check_integrity()
+    assert len([r for r in runs if len(r) == 2]) == 4
+    ref = make_llm(llama[0], kv_cache_tokens=2048, chunk_cache_tokens=512, dtype="float32",
+                   attention_backend="torch", device=engine.pool.kv.device.type)
+    for prompt, g in zip(prompts, got, strict=True):
+        want = ref.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert g.metrics.num_recomputed_tokens == want.metrics.num_recomputed_tokens > 0
+        assert g.outputs[0].token_ids == want.outputs[0].token_ids
+        first_want, first_got = want.outputs[0].logprobs[0], g.outputs[0].logprobs[0]
+        assert first_got.keys() == first_want.keys()
+        for tid, lp in first_got.items():
+            assert abs(lp.logprob - first_want[tid].logprob) < TOL, (tid, lp.logprob)
+    replays = {key: g.replays for key, (g, _) in graphs.graphs.items()
+               if isinstance(g, _EagerGraph)}
+    if replays:
+        assert sum(n for (_, variant), n in replays.items() if variant == "indexed") == 4
 
 
 def test_dynamic_rope_refuses_re_positioning(checkpoint):

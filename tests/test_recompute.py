@@ -462,8 +462,8 @@ def test_query_and_blend_combine_as_shares_of_their_totals(llama, monkeypatch):
     original = probe_module.ProbeWork.run
     runs = []
 
-    def record(work, model, pool):
-        scores = original(work, model, pool)
+    def record(work, model, pool, *backend):
+        scores = original(work, model, pool, *backend)
         runs.append((work.kind, work.check_layers, scores))
         return scores
 
@@ -713,11 +713,11 @@ def test_a_probe_in_blocks_scores_as_one_pass(llama, monkeypatch):
     original = probe_module.ProbeWork.run
     runs = []
 
-    def both_ways(work, model, pool):
-        whole = original(work, model, pool)
+    def both_ways(work, model, pool, *backend):
+        whole = original(work, model, pool, *backend)
         with monkeypatch.context() as m:
             m.setattr(probe_module, "_BLOCK_ELEMENTS", 1)
-            blocked = original(dataclasses.replace(work, block_tokens=3), model, pool)
+            blocked = original(dataclasses.replace(work, block_tokens=3), model, pool, *backend)
         runs.append((work.kind, whole, blocked))
         return whole
 
@@ -730,4 +730,56 @@ def test_a_probe_in_blocks_scores_as_one_pass(llama, monkeypatch):
     assert {kind for kind, _, _ in runs} == {"blend", "query"}
     for _, whole, blocked in runs:
         assert torch.allclose(whole, blocked, rtol=1e-5, atol=1e-7)
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_query_probe_runs_its_layers_as_a_step_in_the_questions_slots(backend, llama,
+                                                                      monkeypatch):
+    """A `query` probe writes its tokens' K/V into the question's own slots (taken by the
+    planner, kept by the question) and runs its layers outside the check layers through the
+    attention backend: its scores equal those of the probe that keeps its K/V to itself, and
+    no cached chunk's KV changes."""
+    import dataclasses
+
+    from ragkv.recompute import probe as probe_module
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    path, _ = llama
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_cache_tokens=512, device=device,
+                   dtype="float32", attention_backend=backend)
+    original = probe_module.ProbeWork.run
+    runs = []
+
+    def both_ways(work, model, pool, *rest):
+        stepped = original(work, model, pool, *rest)
+        kept = original(dataclasses.replace(work, own_slots=[]), model, pool)
+        qs = work.chunks[1]
+        runs.append((work, list(work.request.kv.slots[qs:qs + len(work.token_ids)]),
+                     stepped, kept))
+        return stepped
+
+    monkeypatch.setattr(probe_module.ProbeWork, "run", both_ways)
+    written = []  # the slots each question work writes
+    execute = llm.engine.runner.execute
+    monkeypatch.setattr(llm.engine.runner, "execute", lambda works, probes=(): written.extend(
+        w.kv.slots[w.start:w.end] for w in works
+        if w.start == w.request.layout.question_start) or execute(works, probes))
+    S, A, B = random_prompt(7, seed=180), random_prompt(17, seed=181), random_prompt(11, seed=182)
+    llm.generate([rag(S, [A, B], random_prompt(3, seed=183))], GREEDY, use_tqdm=False)
+    before = entry_bytes(llm)
+    for chunks, q in (([B, A], 6), ([A, B], 1)):
+        out = llm.generate([rc(S, chunks, random_prompt(q, seed=184 + q), "query", 0.3)],
+                           GREEDY, use_tqdm=False)[0]
+        assert out.metrics.num_recomputed_tokens > 0
+    assert len(runs) == 2
+    for work, question_slots, stepped, kept in runs:
+        assert work.own_slots and work.own_slots == question_slots
+        assert work.own_slots in written  # the question computes into them
+        assert torch.allclose(stepped, kept, rtol=1e-4, atol=1e-6)
+    after = entry_bytes(llm)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
     llm.check_integrity()

@@ -194,7 +194,10 @@ class Scheduler:
                     # System prompt or question/generated: own slots, allocated as computed.
                     end = s if x < s else req.num_tokens
                     n = min(end - x, budget - used)
-                    req.kv.append(self._alloc(req, n, out, may_preempt))
+                    # A `query` probe may hold the question's slots already (planner.py).
+                    held = max(0, len(req.kv.slots) - x)
+                    if n > held:
+                        req.kv.append(self._alloc(req, n - held, out, may_preempt))
                     spans = ((0, x + n),)
                     turns = layout.turns if x >= layout.question_start else ()
                 else:

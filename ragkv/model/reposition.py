@@ -63,8 +63,35 @@ class TurnTable:
             self._back = -self.sin
         return self.cos, self._back
 
+    def per_entry(self, turns: tuple[Turn, ...], num_entries: int
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos, sin [num_entries, head_dim] turning each entry of a KV list forward by its
+        turn's delta (`turns`: (start, end, row), within the list), no turn outside them;
+        None without turns. Turning every key with these is one rotation for any number of
+        turns, bit for bit what turning each range by its row does."""
+        if not turns:
+            return None
+        rows = entry_turns(list(turns), num_entries, self.cos.device).long()
+        rows = torch.where(rows < 0, len(self.rows), rows)
+        head_dim = self.cos.shape[1]
+        return (torch.cat([self.cos, self.cos.new_ones(1, head_dim)])[rows],
+                torch.cat([self.sin, self.sin.new_zeros(1, head_dim)])[rows])
+
     def fill(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Copy the rows into persistent buffers (a CUDA graph's), rows 0 .. len - 1."""
         n = len(self.rows)
         cos[:n].copy_(self.cos)
         sin[:n].copy_(self.sin)
+
+
+def entry_turns(turns: list[Turn], num_entries: int, device: torch.device) -> torch.Tensor:
+    """[num_entries] int32: each entry's row of the turn table, -1 outside every turn
+    ((start, end, row), disjoint, over the concatenated KV lists). Three launches whatever
+    the number of turns: a difference array, then its running sum."""
+    bounds = torch.tensor([[a for a, _, _ in turns], [b for _, b, _ in turns],
+                           [row + 1 for _, _, row in turns]], dtype=torch.int64).to(device)
+    delta = torch.zeros(num_entries + 1, dtype=torch.int32, device=device)
+    values = bounds[2].to(torch.int32)
+    delta.index_add_(0, bounds[0], values)
+    delta.index_add_(0, bounds[1], -values)
+    return delta.cumsum(0, dtype=torch.int32)[:-1] - 1

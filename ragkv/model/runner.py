@@ -19,7 +19,7 @@ from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
 from ..host_ints import int64_tensor
 from ..sampling.noise import uniform_noise
-from .backends.base import AttentionBatch, AttentionMetadata
+from .backends.base import AttentionBackend, AttentionBatch, AttentionMetadata
 from .backends.registry import get_attention_backend
 from .llama import CausalLM
 from .reposition import Turn, TurnTable
@@ -52,10 +52,11 @@ class Work(Protocol):
 
 
 class Probe(Protocol):
-    """A read-only pass of some layers of the model over the step's KV after its forward
-    (the selective-recompute probe, recompute/probe.py)."""
+    """A pass of some layers of the model over the step's KV after its forward (the
+    selective-recompute probe, recompute/probe.py), with the runner's attention backend; it
+    writes only slots its request owns and has not computed yet."""
 
-    def run(self, model: CausalLM, pool: KVPool) -> torch.Tensor: ...
+    def run(self, model: CausalLM, pool: KVPool, backend: AttentionBackend) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ class ModelRunner:
         out = ModelOutput(self._forward(works) if works else None)
         for probe in probes:
             try:
-                out.probe_scores.append(probe.run(self.model, self.pool))
+                out.probe_scores.append(probe.run(self.model, self.pool, self.backend))
             except Exception as e:  # noqa: BLE001 (its request fails, not the step)
                 logger.exception("recompute probe failed")
                 out.probe_scores.append(e)

@@ -44,7 +44,7 @@ class RecomputePlanner:
         if req.selected is None and not spec.needs_probe(layout):
             self.choose(req, spec.select(layout, None))
         if req.selected is None:
-            out.probes.extend(self._probes(req))
+            out.probes.extend(self._probes(req, alloc))
             return min(self._probe_cost(req), room), True
         if planned < len(req.selected):
             if computes_chunks:
@@ -89,9 +89,12 @@ class RecomputePlanner:
                 failed.append(req)
         return failed
 
-    def _probes(self, req: Request) -> list[ProbeWork]:
+    def _probes(self, req: Request, alloc: Callable[[int], list[int]]) -> list[ProbeWork]:
         """The probes of `req` (one per scorer), whose chunks' KV is ready by the end of this
-        step."""
+        step. A `query` probe writes its tokens' fresh K/V where the question's own will go:
+        their slots are the request's from now on (the question, planned later, takes them
+        instead of new ones), so the probe runs through the attention backend like any step
+        and frees nothing."""
         spec, layout = req.recompute, req.layout
         s, qs = layout.system_len, layout.question_start
         works = []
@@ -105,11 +108,15 @@ class RecomputePlanner:
                 end = req.num_prompt_tokens - max(0, req.num_scored_tokens - 1)
                 probed = list(range(qs, max(end, qs + 1)))
                 positions = key_positions = layout.positions(qs, probed[-1] + 1)
+                missing = probed[-1] + 1 - len(req.kv.slots)
+                if missing > 0:
+                    req.kv.append(alloc(missing))
             works.append(ProbeWork(
                 request=req, kind=kind, token_ids=[req.token_ids[x] for x in probed],
                 positions=positions, key_positions=key_positions, kv_slots=req.kv.slots[:qs],
                 turns=layout.turns, chunks=(s, qs), check_layers=layers,
-                block_tokens=self.block_tokens))
+                block_tokens=self.block_tokens,
+                own_slots=req.kv.slots[qs:probed[-1] + 1] if kind != "blend" else []))
         return works
 
     def _probe_cost(self, req: Request) -> int:

@@ -7,8 +7,10 @@ chooses R from them (selection.py).
 The probed tokens run through layers 0 .. max(check layers) of the model's own layer loop
 (`CausalLM.run_layers`) as queries at their places in the prompt, attending (bottom-right
 causal) to the request's KV list: S and the chunks as cached, turned like any reuse, plus — for
-question tokens — their own fresh K/V, which are kept in the probe and never written to the
-pool. Scores, one per chunk token:
+question tokens — their own fresh K/V. The question's tokens write theirs to the slots the
+question will compute into later (`own_slots`, the request's own), so outside the check layers
+a `query` probe is the model's step itself, through the attention backend (on a GPU, the
+Triton kernels and fused ops); the cached KV is never written. Scores, one per chunk token:
 - `blend`: the chunk tokens probe themselves; at a check layer, how far their fresh K and V
   (keys at the chunk's base positions, like the cached ones) lie from the cached K and V. At
   layer 0 both are the same function of the token, so the deviation starts at layer 1, after
@@ -16,21 +18,29 @@ pool. Scores, one per chunk token:
 - `query`: the question tokens probe; at a check layer, the attention weight all their heads
   give each chunk token.
 Each check layer's scores are divided by their total, so layers weigh alike when several are
-checked. Attention whose weights are not wanted is one fused call over keys turned forward (a
-private copy); where they are, queries go in row blocks so the [heads, rows, keys] weights
-stay bounded.
+checked. Each layer's gathered keys are turned forward in one rotation (a private float32 copy;
+per-entry cos/sin built once per probe), whatever the number of chunks: a probe is a few dozen
+operations per layer, which on a GPU are launched one by one. Attention whose weights are not
+wanted is then one fused call; where they are, queries go in row blocks so the [heads, rows,
+keys] weights stay bounded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.kv_manager import SeqKV
 from ..cache.kv_pool import KVPool
-from ..model.backends.base import causal_mask
-from ..model.backends.torch_sdpa import turn_keys, turned_keys_attention, turned_probs
+from ..model.backends.base import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionMetadata,
+    causal_mask,
+)
+from ..model.backends.torch_sdpa import turned_keys_attention, turned_probs
+from ..model.layers import apply_rotary
 from ..model.llama import Attention, CausalLM
 from ..model.reposition import Turn, TurnTable
 
@@ -58,22 +68,31 @@ class ProbeWork:
     # budget): its activations stay one step's; only the keys it gathers grow with the
     # chunks' length (102 MB in all for 32k tokens of SmolLM2's shape, ~8 GB in one pass).
     block_tokens: int = 1 << 30
+    # `query`: the request's slots for the probed tokens (the question's own), which the
+    # probe's layers write; empty: the fresh K/V stay in the probe (any attention backend).
+    own_slots: list[int] = field(default_factory=list)
 
     @property
     def kv(self) -> SeqKV:
         return self.request.kv
 
     @torch.inference_mode()
-    def run(self, model: CausalLM, pool: KVPool) -> torch.Tensor:
-        """Scores [chunk tokens] (float32, CPU)."""
+    def run(self, model: CausalLM, pool: KVPool,
+            backend: AttentionBackend | None = None) -> torch.Tensor:
+        """Scores [chunk tokens] (float32, CPU); `backend`: the runner's, for the layers a
+        `query` probe with `own_slots` runs as a step."""
         device = pool.k.device
         index = torch.tensor(self.kv_slots, dtype=torch.long, device=device)
         table = TurnTable.build(model.rotary, sorted({d for _, _, d in self.turns}))
         rows = table.by_row(self.turns)
+        rotation = table.per_entry(rows, len(self.kv_slots))
         first, last = self.chunks
         scores = torch.zeros(last - first, dtype=torch.float64, device=device)
         if self.kind != "blend":
-            self._probe(model, pool, index, table, rows, 0, len(self.token_ids), scores)
+            step = None
+            if backend is not None and self.own_slots:
+                step = self._step(model, pool, backend, table, rows)
+            self._probe(model, pool, index, rotation, 0, len(self.token_ids), scores, step)
             return scores.float().cpu()
         # The chunk tokens attend to the cached KV alone, not to each other's fresh K/V, so
         # they go through the layers `block_tokens` at a time: memory stays within the step
@@ -82,17 +101,38 @@ class ProbeWork:
         deviations = {layer: torch.zeros_like(scores) for layer in self.check_layers}
         for t0 in range(0, last - first, self.block_tokens):
             t1 = min(last - first, t0 + self.block_tokens)
-            self._probe(model, pool, index, table, rows, t0, t1, deviations)
+            self._probe(model, pool, index, rotation, t0, t1, deviations)
         for layer in sorted(deviations):
             dev = deviations[layer]
             scores.add_(dev / dev.sum().clamp_min(1e-30))
         return scores.float().cpu()
 
-    def _probe(self, model: CausalLM, pool: KVPool, index: torch.Tensor, table: TurnTable,
-               rows: tuple[Turn, ...], t0: int, t1: int, into) -> None:
+    def _step(self, model: CausalLM, pool: KVPool, backend: AttentionBackend,
+              table: TurnTable, rows: tuple[Turn, ...]
+              ) -> tuple[AttentionBackend, AttentionMetadata]:
+        """The probed tokens as one step of the attention backend: a sequence whose list is
+        the request's up to the question plus the tokens' own slots, keys turned like any
+        reuse."""
+        device = pool.k.device
+        own = torch.tensor(self.own_slots, dtype=torch.long, device=device)
+        batch = AttentionBatch(
+            q_lens=[len(self.own_slots)], kv_lens=[len(self.kv_slots) + len(self.own_slots)],
+            q_starts=[0], kv_indices=[torch.tensor(self.kv_slots + self.own_slots,
+                                                   dtype=torch.int32, device=device)],
+            write_slots=own, num_heads=model.config.num_heads, num_kv_heads=pool.k.shape[2],
+            rows=[0], prefix=[False])
+        if rows:
+            batch.turns, batch.turn_table = [rows], table
+        return backend, AttentionMetadata(write_slots=own, state=backend.prepare(batch))
+
+    def _probe(self, model: CausalLM, pool: KVPool, index: torch.Tensor,
+               rotation: tuple[torch.Tensor, torch.Tensor] | None, t0: int, t1: int,
+               into, step: tuple[AttentionBackend, AttentionMetadata] | None = None) -> None:
         """Probed tokens t0 .. t1-1 through the layers: `query` adds its normalized weights
         to the scores `into`; `blend` puts each check layer's deviations of its tokens
-        (chunk tokens t0 .. t1-1) into `into[layer]`."""
+        (chunk tokens t0 .. t1-1) into `into[layer]`. `rotation`: each list entry's cos/sin
+        turning its key forward (`TurnTable.per_entry`). `step` (a `query` probe with its
+        own slots): the layers outside the check layers run as the backend's step."""
         device = pool.k.device
         n = t1 - t0
         cos, sin = model.rotary.cos_sin(torch.tensor(self.positions[t0:t1], device=device))
@@ -106,6 +146,8 @@ class ProbeWork:
         visible = first + t1 if blend else len(self.kv_slots)
 
         def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor | None:
+            if step is not None and i not in check_layers:
+                return attn.forward(x, cos, sin, i, pool, step[1], step[0])
             q, k, v = attn.qkv(x, cos, sin, key_rope)
             keys = pool.k[i].index_select(0, index[:visible])
             values = pool.v[i].index_select(0, index[:visible])
@@ -117,10 +159,12 @@ class ProbeWork:
                     into[i][t0:t1] = (fresh - cached).square().sum(dim=(1, 2)).sqrt().double()
                 if i == final:
                     return None  # the deviation needs this layer's K/V only
-            else:
-                keys, values = torch.cat([keys, k]), torch.cat([values, v])
+            if rotation is not None:
+                keys = apply_rotary(keys.float(), rotation[0][:visible], rotation[1][:visible])
+            if not blend:
+                keys, values = torch.cat([keys, k.to(keys.dtype)]), torch.cat([values, v])
             weigh = (first, last) if not blend and i in check_layers else None
-            out, weight = _attend(q, keys, values, rows, table, attn.scale, weigh)
+            out, weight = _attend(q, keys, values, attn.scale, weigh)
             if weight is not None:
                 into.add_(weight / weight.sum().clamp_min(1e-30))
             if i == final:
@@ -131,30 +175,27 @@ class ProbeWork:
         model.run_layers(model.embed_tokens[ids], attend)
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            rows: tuple[tuple[int, int, int], ...], table: TurnTable, scale: float,
-            weigh: tuple[int, int] | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Bottom-right causal attention of q over keys in row blocks (each block's scores stay
-    within _BLOCK_ELEMENTS); with `weigh` = [a, b) also the attention weight of all queries
-    and heads on each of entries a .. b-1 (float64)."""
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+            weigh: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bottom-right causal attention of q over keys (already turned) in row blocks (each
+    block's scores stay within _BLOCK_ELEMENTS); with `weigh` = [a, b) also the attention
+    weight of all queries and heads on each of entries a .. b-1 (float64)."""
     n, heads, d = q.shape
     k_len, kv_heads = keys.shape[0], keys.shape[1]
     block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
     if weigh is None and block >= n:  # no weights wanted: one fused call over turned keys
         mask = causal_mask(n, n, q.device) if n > 1 else None
-        return turned_keys_attention(q, keys, values, rows, table, scale, mask), None
+        return turned_keys_attention(q, keys, values, (), None, scale, mask), None
     if weigh is None:
-        # The same, block by block: the keys turned once (their private copy), then each
-        # block of queries over the entries up to its last one, the mask over its own rows.
-        turned = turn_keys(keys, rows, table)
+        # The same, block by block: each block of queries over the entries up to its last
+        # one, the mask over its own rows.
         out = torch.empty_like(q)
         for t0 in range(0, n, block):
             t1 = min(n, t0 + block)
             seen = k_len - n + t1
             mask = causal_mask(t1 - t0, t1 - t0, q.device) if t1 - t0 > 1 else None
-            out[t0:t1] = turned_keys_attention(q[t0:t1], turned[:seen], values[:seen], (),
-                                               table, scale, mask)
+            out[t0:t1] = turned_keys_attention(q[t0:t1], keys[:seen], values[:seen], (),
+                                               None, scale, mask)
         return out, None
     group = heads // kv_heads
     out = torch.empty_like(q)
@@ -166,7 +207,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         # first query's last.
         seen = torch.arange(t0, t1, device=q.device)[:, None] + (k_len - n)
         mask = torch.arange(k_len - n + t0, k_len, device=q.device)[None, :] <= seen
-        probs = turned_probs(q[t0:t1], keys, rows, table, scale, mask)
+        probs = turned_probs(q[t0:t1], keys, (), None, scale, mask)
         weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
         o = probs @ vs  # [kv_heads, group * rows, d]
         out[t0:t1] = o.view(kv_heads, group, t1 - t0, d).permute(2, 0, 1, 3).reshape(

@@ -25,22 +25,33 @@ entries of the padding slot 0 (each attends to finite values, writes only slot 0
 read back). The new tokens' slots are then the contiguous entries k - n .. k + T - n - 1 of the
 buffer, gathered inside the graph from one offset. KV splits are fixed at capture for the
 longest list the engine admits; a slice with nothing to read costs one early exit.
+
+A selectively recomputed request's last step (its chosen chunk tokens, scattered among the
+cached ones, and its question; two works of one sequence) is as short, and runs a third graph
+per size, "indexed": the two works as one sequence whose tokens sit at given entries of its
+list (`query_index`: each writes its K/V there and sees the entries up to it), with keys at
+their own RoPE positions (the chunk's base positions for recomputed tokens) and re-positioned
+keys turned. Its entries, their last visible entries and the keys' positions are three more
+persistent buffers.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ...cache.kv_manager import SeqKV
 from ...cache.kv_pool import KVPool
 from ...host_ints import int64_tensor
 from ..llama import CausalLM
-from ..reposition import TurnTable
+from ..reposition import Turn, TurnTable, entry_turns
 from ..slot_table import PAD_ROW, SlotTable
 from .base import AttentionMetadata
 from .triton_attention import (
@@ -48,7 +59,6 @@ from .triton_attention import (
     ExtendBatch,
     TritonAttentionBackend,
     TritonState,
-    entry_turns,
     padded_ranges,
 )
 from .triton_kernels import DecodeTurns, decode_scratch, decode_splits, extend_splits
@@ -90,9 +100,10 @@ class _StepGraphs:
     """What the decode and the extend graphs share: the model and caches their steps run on,
     the turn tables of re-positioned keys (cos, sin turning a key forward by each distinct
     delta of the step, at most MAX_TURNS), and the capture of a graph per size of their
-    ladder, plain and turning."""
+    ladder and variant of the step (`variants`: plain, turning re-positioned keys, ...)."""
 
     what: str  # the ladder's unit, for the capture log
+    variants: tuple[str, ...] = ("plain", "turning")
 
     def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
                  slot_table: SlotTable, sizes: list[int], max_model_len: int) -> None:
@@ -109,12 +120,12 @@ class _StepGraphs:
         device = pool.kv.device
         self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
         self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
-        # (size, turns re-positioned keys) -> (graph, its logits)
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, variant) -> (graph, its logits)
+        self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
 
-    def graph_forward(self, size: int, turning: bool):
-        """The step that the graph (size, turning) captures, as a call without arguments."""
+    def graph_forward(self, size: int, variant: str):
+        """The step that the graph (size, variant) captures, as a call without arguments."""
         raise NotImplementedError
 
     def _prepare_capture(self, size: int) -> None:
@@ -129,9 +140,9 @@ class _StepGraphs:
         # Largest first: smaller graphs reuse its memory from the shared pool.
         for size in reversed(self.sizes):
             self._prepare_capture(size)
-            for turning in (False, True):
-                self.graphs[(size, turning)] = capture_graph(
-                    self.graph_forward(size, turning), device, mempool)
+            for variant in self.variants:
+                self.graphs[(size, variant)] = capture_graph(
+                    self.graph_forward(size, variant), device, mempool)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         logger.info("captured CUDA graphs for %s: %s in %.2f s", self.what, self.sizes,
@@ -160,7 +171,7 @@ class DecodeGraphs(_StepGraphs):
         # Each graph's decode scratch, allocated before its capture: a graph holds no reference
         # to the memory it writes, so a freed scratch would be handed to other tensors and
         # overwritten at every replay.
-        self.scratch: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.scratch: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -187,12 +198,12 @@ class DecodeGraphs(_StepGraphs):
         mc = self.model.config
         return splits, decode_scratch(size, mc.num_heads, mc.head_dim, splits, device)
 
-    def graph_forward(self, size: int, turning: bool):
-        """The step that the graph (size, turning) captures, as a call without arguments;
+    def graph_forward(self, size: int, variant: str):
+        """The step that the graph (size, variant) captures, as a call without arguments;
         its scratch kept for the graph's life."""
         splits, scratch = self.plan(size)
-        self.scratch[(size, turning)] = scratch
-        return functools.partial(self._forward, size, turning, splits, scratch)
+        self.scratch[(size, variant)] = scratch
+        return functools.partial(self._forward, size, variant == "turning", splits, scratch)
 
     def can_run(self, works: Sequence) -> bool:
         """Only pure decode batches: one new token per sequence whose KV list is its whole
@@ -225,7 +236,7 @@ class DecodeGraphs(_StepGraphs):
         turning = any(w.turns for w in works)
         if turning:
             self._fill_turns(works)
-        graph, logits = self.graphs[(size, turning)]
+        graph, logits = self.graphs[(size, "turning" if turning else "plain")]
         graph.replay()
         return logits[:n]
 
@@ -243,14 +254,56 @@ def token_sizes(max_tokens: int) -> list[int]:
     return [1 << i for i in range(3, 10) if 1 << i <= max_tokens]
 
 
+@dataclass(slots=True, frozen=True)
+class GraphStep:
+    """One sequence's step as an extend graph runs it: its new tokens, their positions and
+    their keys' (None: the same), the entries of its KV list they are (None: the last ones)
+    and the list's spans and turns."""
+
+    kv: SeqKV
+    kv_spans: tuple[tuple[int, int], ...]
+    token_ids: list[int]
+    positions: list[int]
+    turns: tuple[Turn, ...]
+    query_index: tuple[int, ...] | None = None
+    key_positions: list[int] | None = None
+
+
+def graph_step(works: Sequence) -> GraphStep | None:
+    """The step of `works` as one sequence that samples from its last token only, or None:
+    a single work, or a recomputed request's last step (its recompute work, which samples
+    nothing, then its question over the same list, after every recomputed entry). The
+    question sees the whole list turned, the recomputed tokens the entries up to theirs, so
+    the question's turns serve both."""
+    w = works[-1]
+    if not w.sample or w.end - w.logits_from != 1 or len(works) > 2:
+        return None
+    if len(works) == 1:
+        return GraphStep(w.kv, w.kv_spans, w.token_ids, w.positions, w.turns,
+                         w.query_index, w.key_positions)
+    r = works[0]
+    n = len(w.token_ids)
+    if (r.kv is not w.kv or r.query_index is None or r.sample or r.logits_from != r.end
+            or w.query_index is not None or w.key_positions is not None
+            or r.kv_spans != ((0, r.end),) or w.kv_spans != ((0, w.end),)
+            or r.query_index[-1] >= w.end - n):
+        return None
+    return GraphStep(w.kv, w.kv_spans, r.token_ids + w.token_ids, r.positions + w.positions,
+                     w.turns, r.query_index + tuple(range(w.end - n, w.end)),
+                     (r.key_positions or r.positions) + w.positions)
+
+
 class ExtendGraphs(_StepGraphs):
     """Graphs of an extend step of one sequence of at most 512 new tokens that samples from
     its last one (see the module docstring). Like the decode graphs, each size has a second
     graph whose extend kernel turns re-positioned keys: each KV entry's row of the turn tables
     (-1: none) in a persistent buffer beside the index, the tables' cos/sin rows (one per
-    distinct delta, at most MAX_TURNS) in two more."""
+    distinct delta, at most MAX_TURNS) in two more; and a third, "indexed", for steps whose
+    tokens sit at given entries of the list (recompute), which turns keys too (a step with
+    no turn leaves every entry's row at -1)."""
 
     what = "extend token counts"
+    variants = ("plain", "turning", "indexed")
 
     def __init__(self, model: CausalLM, pool: KVPool, backend: TritonAttentionBackend,
                  slot_table: SlotTable, max_tokens: int, max_model_len: int) -> None:
@@ -258,11 +311,13 @@ class ExtendGraphs(_StepGraphs):
                          max_model_len)
         device = pool.kv.device
         self.top = top = self.sizes[-1] if self.sizes else 0
-        # ids, positions (padding: token 0 at position 0), then the offset k - n of the new
-        # tokens' entries and the row whose logits are returned.
-        self.inputs = torch.zeros(2 * top + 2, dtype=torch.long, device=device)
-        # kv_indptr (3), q_starts (2), q_lens (2): the sequence and the padding one.
-        self.counts = torch.zeros(7, dtype=torch.int32, device=device)
+        # ids, positions (padding: token 0 at position 0), the offset k - n of the new
+        # tokens' entries and the row whose logits are returned; then, for the indexed
+        # graphs, each token's entry of the list and its key's position.
+        self.inputs = torch.zeros(4 * top + 2, dtype=torch.long, device=device)
+        # kv_indptr (3), q_starts (2), q_lens (2): the sequence and the padding one; then,
+        # for the indexed graphs, each token's last visible entry of its sequence's list.
+        self.counts = torch.zeros(7 + top, dtype=torch.int32, device=device)
         self.kv_index = torch.zeros(max_model_len + top, dtype=torch.int32, device=device)
         self.arange = torch.arange(top, dtype=torch.long, device=device)
         self.rows32 = self.arange.to(torch.int32)  # the merge's output rows: every token
@@ -271,7 +326,8 @@ class ExtendGraphs(_StepGraphs):
 
     def _prepare_capture(self, size: int) -> None:
         # Valid lengths: one real token over one entry, the rest padding.
-        self._fill(torch.zeros(1, dtype=torch.int32, device=self.inputs.device), [0], [0], size)
+        index = torch.zeros(1, dtype=torch.int32, device=self.inputs.device)
+        self._fill(index, GraphStep(None, ((0, 1),), [0], [0], (), (0,), [0]), size)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -284,64 +340,88 @@ class ExtendGraphs(_StepGraphs):
         return extend_splits([size], [self.max_model_len], mc.num_heads, mc.num_kv_heads,
                              self.inputs.device)
 
-    def graph_forward(self, size: int, turning: bool):
-        """The step that the graph (size, turning) captures, as a call without arguments."""
-        return functools.partial(self._forward, size, turning, self.plan(size))
+    def graph_forward(self, size: int, variant: str):
+        """The step that the graph (size, variant) captures, as a call without arguments."""
+        return functools.partial(self._forward, size, variant, self.plan(size))
 
-    def _forward(self, size: int, turning: bool, splits: int) -> torch.Tensor:
+    def _forward(self, size: int, variant: str, splits: int) -> torch.Tensor:
         top = self.top
         ids, positions = self.inputs[:size], self.inputs[top:top + size]
-        offset, logits_row = self.inputs[2 * top:2 * top + 1], self.inputs[2 * top + 1:]
-        write_slots = self.kv_index[offset + self.arange[:size]].long()
+        offset, logits_row = self.inputs[2 * top:2 * top + 1], self.inputs[2 * top + 1:2 * top + 2]
         counts = self.counts
+        indexed = variant == "indexed"
+        turning = variant != "plain"
+        keys = q_limit = None
+        if indexed:
+            entries = self.inputs[2 * top + 2:2 * top + 2 + size]
+            keys = self.inputs[3 * top + 2:3 * top + 2 + size]
+            q_limit = counts[7:7 + size]
+            write_slots = self.kv_index[entries].long()
+        else:
+            write_slots = self.kv_index[offset + self.arange[:size]].long()
         state = TritonState(table=self.slot_table.table, extend=ExtendBatch(
             kv_index=self.kv_index, kv_indptr=counts[0:3], q_starts=counts[3:5],
             q_lens=counts[5:7], max_q_len=size, splits=splits,
-            tok_starts=counts[3:5], merge_rows=self.rows32[:size],
+            tok_starts=counts[3:5], merge_rows=self.rows32[:size], q_limit=q_limit,
             entry_turns=self.entry_turns if turning else None,
             turn_tables=(self.turn_cos, self.turn_sin) if turning else None))
         meta = AttentionMetadata(write_slots=write_slots, state=state)
-        return self.model(ids, positions, logits_row, self.pool, meta, self.backend)
+        return self.model(ids, positions, logits_row, self.pool, meta, self.backend,
+                          key_positions=keys)
 
     def can_run(self, works: Sequence) -> bool:
-        """One sequence, at most the largest size of new tokens at the end of its list, logits
-        of its last token only, at most MAX_TURNS distinct deltas, no query entries."""
-        if len(works) != 1 or not self.sizes:
+        """One sequence (`graph_step`), at most the largest size of new tokens, at most
+        MAX_TURNS distinct deltas."""
+        if not works or not self.sizes:
             return False
-        w = works[0]
-        n = len(w.token_ids)
-        if (n > self.sizes[-1] or not w.sample or w.end - w.logits_from != 1
-                or w.query_index is not None or w.key_positions is not None
-                or len({d for _, _, d in w.turns}) > MAX_TURNS):
+        step = graph_step(works)
+        if (step is None or len(step.token_ids) > self.sizes[-1]
+                or len({d for _, _, d in step.turns}) > MAX_TURNS):
             return False
-        return not (self.dynamic_rope and w.positions[-1] >= self.max_positions)
+        return not (self.dynamic_rope and max(step.positions) >= self.max_positions)
 
-    def _fill(self, index: torch.Tensor, token_ids: list[int], positions: list[int],
-              size: int) -> None:
-        k, n = index.numel(), len(token_ids)
+    def _fill(self, index: torch.Tensor, step: GraphStep, size: int) -> None:
+        k, n = index.numel(), len(step.token_ids)
         top = self.top
         pad = size - n
         zeros = [0] * (top - n)
-        self.inputs.copy_(int64_tensor(token_ids + zeros + positions + zeros + [k - n, n - 1]),
-                          non_blocking=True)
-        self.counts.copy_(torch.tensor([0, k, k + pad, 0, n, n, pad], dtype=torch.int32),
-                          non_blocking=True)
+        values = step.token_ids + zeros + step.positions + zeros + [k - n, n - 1]
+        counts = [0, k, k + pad, 0, n, n, pad]
+        if step.query_index is not None:
+            # The padding tokens are the entries after the list, each its own last visible
+            # entry of the padding sequence's list.
+            values += (list(step.query_index) + list(range(k, k + pad)) + [0] * (top - size)
+                       + (step.key_positions or step.positions) + zeros)
+            counts += list(step.query_index) + list(range(pad))
+            self.counts[:len(counts)].copy_(torch.tensor(counts, dtype=torch.int32),
+                                            non_blocking=True)
+        else:
+            self.counts[:7].copy_(torch.tensor(counts, dtype=torch.int32), non_blocking=True)
+        self.inputs[:len(values)].copy_(int64_tensor(values), non_blocking=True)
         self.kv_index[:k].copy_(index)
         self.kv_index[k:k + size].zero_()
 
     def run(self, works: Sequence) -> torch.Tensor:
-        w = works[0]
-        n = len(w.token_ids)
+        step = graph_step(works)
+        n = len(step.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        index = self.slot_table.entries(w.kv.row, w.kv_spans)
-        self._fill(index, w.token_ids, w.positions, size)
-        turning = bool(w.turns)
-        if turning:
+        index = self.slot_table.entries(step.kv.row, step.kv_spans)
+        at = step.query_index
+        if at is not None and at[0] == index.numel() - n and step.key_positions is None:
+            step = dataclasses.replace(step, query_index=None)  # the last n: no entries
+        self._fill(index, step, size)
+        variant = ("indexed" if step.query_index is not None
+                   else "turning" if step.turns else "plain")
+        if variant != "plain":
             k = index.numel()
-            table = TurnTable.build(self.model.rotary, (d for _, _, d in w.turns))
-            self.entry_turns[:k].copy_(entry_turns(table.by_row(w.turns), k, index.device))
+            if step.turns:
+                table = TurnTable.build(self.model.rotary, (d for _, _, d in step.turns))
+                self.entry_turns[:k].copy_(entry_turns(table.by_row(step.turns), k,
+                                                       index.device))
+                table.fill(self.turn_cos, self.turn_sin)
+            else:
+                self.entry_turns[:k].fill_(-1)
             self.entry_turns[k:k + size].fill_(-1)  # the padding sequence's entries
-            table.fill(self.turn_cos, self.turn_sin)
-        graph, logits = self.graphs[(size, turning)]
+        graph, logits = self.graphs[(size, variant)]
         graph.replay()
         return logits

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ...cache.kv_pool import KVPool
-from ..reposition import Turn
+from ..reposition import Turn, entry_turns
 from .base import FUSED_OPS, AttentionBatch, AttentionMetadata
 from .triton_kernels import (
     MAX_SPLITS,
@@ -35,19 +35,6 @@ def padded_ranges(per_seq: list[tuple[Turn, ...]]) -> torch.Tensor:
     width = max(len(r) for r in per_seq)
     return torch.tensor([list(r) + [(0, 0, 0)] * (width - len(r)) for r in per_seq],
                         dtype=torch.int32)
-
-
-def entry_turns(turns: list[Turn], num_entries: int, device: torch.device) -> torch.Tensor:
-    """[num_entries] int32: each entry's row of the turn table, -1 outside every turn
-    ((start, end, row), disjoint, over the concatenated KV lists). Three launches whatever
-    the number of turns: a difference array, then its running sum."""
-    bounds = torch.tensor([[a for a, _, _ in turns], [b for _, b, _ in turns],
-                           [row + 1 for _, _, row in turns]], dtype=torch.int64).to(device)
-    delta = torch.zeros(num_entries + 1, dtype=torch.int32, device=device)
-    values = bounds[2].to(torch.int32)
-    delta.index_add_(0, bounds[0], values)
-    delta.index_add_(0, bounds[1], -values)
-    return delta.cumsum(0, dtype=torch.int32)[:-1] - 1
 
 
 @dataclass(slots=True)
