@@ -49,6 +49,17 @@ def check(hf, prompt: RAGPrompt, out, exact: str) -> None:
         assert abs(lp.logprob - first[tid].item()) < TOL, (tid, lp.logprob)
 
 
+def wrap_probes(monkeypatch, wrap) -> None:
+    """Every probe the engine runs goes through `wrap(run, work, model, pool, backend)`,
+    `run` being the real `ProbeWork.run`."""
+    from ragkv.recompute import probe as probe_module
+
+    run = probe_module.ProbeWork.run
+    monkeypatch.setattr(probe_module.ProbeWork, "run",
+                        lambda work, model, pool, backend=None: wrap(run, work, model, pool,
+                                                                     backend))
+
+
 def entry_bytes(llm) -> dict[bytes, torch.Tensor]:
     """Every cached chunk entry's K/V, all layers, copied."""
     cache = llm.engine.chunk_cache
@@ -455,19 +466,16 @@ def test_query_and_blend_combine_as_shares_of_their_totals(llama, monkeypatch):
     assert spec.select(layout, combined) == (4, 5)  # the two 0.75: one from each scorer
     assert RecomputeSpec("query", 0.5, None, (1,)).combine([query]) is query
 
-    from ragkv.recompute import probe as probe_module
-
     path, _ = llama
     llm = make_llm(path, kv_cache_tokens=1024)
-    original = probe_module.ProbeWork.run
     runs = []
 
-    def record(work, model, pool, *backend):
-        scores = original(work, model, pool, *backend)
+    def record(run, work, model, pool, backend):
+        scores = run(work, model, pool, backend)
         runs.append((work.kind, work.check_layers, scores))
         return scores
 
-    monkeypatch.setattr(probe_module.ProbeWork, "run", record)
+    wrap_probes(monkeypatch, record)
     chosen = []
     choose = RecomputePlanner.choose
     monkeypatch.setattr(RecomputePlanner, "choose",
@@ -710,18 +718,17 @@ def test_a_probe_in_blocks_scores_as_one_pass(llama, monkeypatch):
 
     path, _ = llama
     llm = make_llm(path, kv_cache_tokens=1024)
-    original = probe_module.ProbeWork.run
     runs = []
 
-    def both_ways(work, model, pool, *backend):
-        whole = original(work, model, pool, *backend)
+    def both_ways(run, work, model, pool, backend):
+        whole = run(work, model, pool, backend)
         with monkeypatch.context() as m:
             m.setattr(probe_module, "_BLOCK_ELEMENTS", 1)
-            blocked = original(dataclasses.replace(work, block_tokens=3), model, pool, *backend)
+            blocked = run(dataclasses.replace(work, block_tokens=3), model, pool, backend)
         runs.append((work.kind, whole, blocked))
         return whole
 
-    monkeypatch.setattr(probe_module.ProbeWork, "run", both_ways)
+    wrap_probes(monkeypatch, both_ways)
     S = random_prompt(7, seed=130)
     A, B = random_prompt(17, seed=131), random_prompt(11, seed=132)
     for method in ("blend", "query", "sink+blend"):
@@ -742,26 +749,23 @@ def test_query_probe_runs_its_layers_as_a_step_in_the_questions_slots(backend, l
     no cached chunk's KV changes."""
     import dataclasses
 
-    from ragkv.recompute import probe as probe_module
-
     if backend == "triton":
         pytest.importorskip("triton")
     path, _ = llama
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     llm = make_llm(path, kv_cache_tokens=1024, chunk_cache_tokens=512, device=device,
                    dtype="float32", attention_backend=backend)
-    original = probe_module.ProbeWork.run
     runs = []
 
-    def both_ways(work, model, pool, *rest):
-        stepped = original(work, model, pool, *rest)
-        kept = original(dataclasses.replace(work, own_slots=[]), model, pool)
+    def both_ways(run, work, model, pool, engine_backend):
+        stepped = run(work, model, pool, engine_backend)
+        kept = run(dataclasses.replace(work, own_slots=[]), model, pool, None)
         qs = work.chunks[1]
         runs.append((work, list(work.request.kv.slots[qs:qs + len(work.token_ids)]),
                      stepped, kept))
         return stepped
 
-    monkeypatch.setattr(probe_module.ProbeWork, "run", both_ways)
+    wrap_probes(monkeypatch, both_ways)
     written = []  # the slots each question work writes
     execute = llm.engine.runner.execute
     monkeypatch.setattr(llm.engine.runner, "execute", lambda works, probes=(): written.extend(

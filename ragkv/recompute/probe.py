@@ -91,7 +91,7 @@ class ProbeWork:
         if self.kind != "blend":
             step = None
             if backend is not None and self.own_slots:
-                step = self._step(model, pool, backend, table, rows)
+                step = self._step(model, pool, backend, index, table, rows)
             self._probe(model, pool, index, rotation, 0, len(self.token_ids), scores, step)
             return scores.float().cpu()
         # The chunk tokens attend to the cached KV alone, not to each other's fresh K/V, so
@@ -108,17 +108,15 @@ class ProbeWork:
         return scores.float().cpu()
 
     def _step(self, model: CausalLM, pool: KVPool, backend: AttentionBackend,
-              table: TurnTable, rows: tuple[Turn, ...]
+              index: torch.Tensor, table: TurnTable, rows: tuple[Turn, ...]
               ) -> tuple[AttentionBackend, AttentionMetadata]:
         """The probed tokens as one step of the attention backend: a sequence whose list is
-        the request's up to the question plus the tokens' own slots, keys turned like any
-        reuse."""
-        device = pool.k.device
-        own = torch.tensor(self.own_slots, dtype=torch.long, device=device)
+        the request's up to the question (`index`, on the device) plus the tokens' own
+        slots, keys turned like any reuse."""
+        own = torch.tensor(self.own_slots, dtype=torch.long, device=index.device)
         batch = AttentionBatch(
             q_lens=[len(self.own_slots)], kv_lens=[len(self.kv_slots) + len(self.own_slots)],
-            q_starts=[0], kv_indices=[torch.tensor(self.kv_slots + self.own_slots,
-                                                   dtype=torch.int32, device=device)],
+            q_starts=[0], kv_indices=[torch.cat([index, own]).to(torch.int32)],
             write_slots=own, num_heads=model.config.num_heads, num_kv_heads=pool.k.shape[2],
             rows=[0], prefix=[False])
         if rows:

@@ -38,7 +38,6 @@ persistent buffers.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import logging
 import time
@@ -406,9 +405,6 @@ class ExtendGraphs(_StepGraphs):
         n = len(step.token_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         index = self.slot_table.entries(step.kv.row, step.kv_spans)
-        at = step.query_index
-        if at is not None and at[0] == index.numel() - n and step.key_positions is None:
-            step = dataclasses.replace(step, query_index=None)  # the last n: no entries
         self._fill(index, step, size)
         variant = ("indexed" if step.query_index is not None
                    else "turning" if step.turns else "plain")
