@@ -84,7 +84,8 @@ def scenario(llm, hf, method: str) -> None:
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         llm.check_integrity()
         check(hf, prompt, out, "full")
-        assert out.metrics.num_recomputed_tokens == len(A) + len(B) + len(C)
+        # Every chunk token but the first chunk's, whose cached KV is the full prefill's.
+        assert out.metrics.num_recomputed_tokens == sum(map(len, prompt.chunks[1:]))
     # r = 0 (warm): nothing recomputed, the sequential layout exactly.
     prompt = rc(S, [B, C, A], Q, method, 0.0)
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -183,9 +184,10 @@ def test_selection_is_deterministic(llama, monkeypatch):
         mine = [sel for m, sel in chosen if m == method]
         assert len(mine) == 4
         assert mine[0] == mine[1] == mine[3] and len(mine[0]) == 10  # ceil(0.3 * 33)
-        assert all(len(S) <= x < len(S) + 33 for x in mine[0])
-        if method == "sink+query":  # the first 4 tokens of each chunk, then the scorer's
-            assert set(range(8, 12)) | set(range(28, 32)) <= set(mine[0])
+        # None of the first chunk's: its cached KV is the full prefill's already.
+        assert all(len(S) + 20 <= x < len(S) + 33 for x in mine[0])
+        if method == "sink+query":  # the first 4 tokens of each later chunk, then the scorer's
+            assert set(range(28, 32)) <= set(mine[0])
 
 
 @pytest.mark.parametrize("budget", [24, 64])
@@ -297,15 +299,15 @@ def test_recompute_as_engine_default_and_in_stats(llama):
     path, hf = llama
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,
                    position_strategy="sequential", recompute="blend", recompute_ratio=1.0)
-    S, A = random_prompt(6, seed=100), random_prompt(15, seed=101)
-    prompt = RAGPrompt(S, [A], random_prompt(4, seed=102))
+    S, A, B = random_prompt(6, seed=100), random_prompt(15, seed=101), random_prompt(5, seed=104)
+    prompt = RAGPrompt(S, [B, A], random_prompt(4, seed=102))
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     check(hf, prompt, out, "full")
     # A request may turn it off, or ask for another method.
-    off = RAGPrompt(S, [A], random_prompt(4, seed=103), recompute="none")
+    off = RAGPrompt(S, [B, A], random_prompt(4, seed=103), recompute="none")
     assert llm.generate([off], GREEDY, use_tqdm=False)[0].metrics.num_recomputed_tokens == 0
     stats = llm.get_chunk_cache_stats()
-    assert stats.recomputed_tokens == 15 and stats.recomputed_requests == 1
+    assert stats.recomputed_tokens == 15 and stats.recomputed_requests == 1  # A; B is exact
     llm.check_integrity()
 
 
@@ -333,8 +335,8 @@ def test_quality_mode_is_the_default(llama):
     warm = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert warm.metrics.num_chunk_hits == 2 and cold.metrics.num_chunk_misses == 2
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    n = len(A) + len(B)
-    assert (math.ceil(0.1 * n) <= cold.metrics.num_recomputed_tokens <= math.ceil(0.5 * n)
+    n = len(A) + len(B)  # the budget's share is of every chunk token; only B's can change
+    assert (math.ceil(0.1 * n) <= cold.metrics.num_recomputed_tokens <= len(B)
             and warm.metrics.num_recomputed_tokens == cold.metrics.num_recomputed_tokens)
     explicit = make_llm(path, kv_cache_tokens=2048)  # shared: recompute only when named
     named = RAGPrompt(S, [A, B], Q, position_strategy="sequential", recompute="query",
@@ -351,7 +353,7 @@ def test_quality_mode_is_the_default(llama):
     for ratio, exact in ((1.0, "full"), (0.0, "sequential")):
         own = RAGPrompt(S, [A, B], Q, recompute_ratio=ratio)
         out = llm.generate([own], GREEDY, use_tqdm=False)[0]
-        assert out.metrics.num_recomputed_tokens == round(ratio * n)
+        assert out.metrics.num_recomputed_tokens == round(ratio * len(B))
         check(hf, own, out, exact)
     llm.check_integrity()
     explicit.check_integrity()
@@ -409,9 +411,10 @@ def test_bad_request_settings_are_clear_errors_and_lose_nothing(llama):
         make_llm(path, kv_cache_tokens=512, position_strategy="sequential",
                  recompute="blend", recompute_check_layers=(0, 9))
     # Without position_strategy, a request asking for recompute gets the sequential layout.
-    out = llm.generate([RAGPrompt(S, [A], Q, recompute="sink", recompute_ratio=0.5)], GREEDY,
-                       use_tqdm=False)[0]
-    assert out.metrics.num_recomputed_tokens == 3
+    B = random_prompt(5, seed=113)
+    out = llm.generate([RAGPrompt(S, [B, A], Q, recompute="sink", recompute_ratio=0.5)],
+                       GREEDY, use_tqdm=False)[0]
+    assert out.metrics.num_recomputed_tokens == 3  # ceil(0.5 * 6) of A; B is exact
     llm.check_integrity()
 
 
@@ -419,7 +422,8 @@ def test_bad_request_settings_are_clear_errors_and_lose_nothing(llama):
 
 
 def test_sink_and_budget_rules():
-    layout = PromptLayout.build(3, [10, 4, 7], "sequential")  # chunks at 3, 13, 17
+    # Standalone chunks after S: none is exact already, so each may be chosen.
+    layout = PromptLayout.build(3, [10, 4, 7], "sequential", "standalone")  # at 3, 13, 17
     spec = RecomputeSpec("sink", 0.2, None, (1,))
     assert spec.budget(21) == 5 and RecomputeSpec("sink", 0.15, None, (1,)).budget(100) == 15
     assert spec.sink(layout) == [3, 4, 13, 17, 18]  # ceil(0.2 * len) of each chunk
@@ -440,8 +444,45 @@ def test_sink_and_budget_rules():
     assert RecomputeSpec("query", 1.0, None, (1,), 0.5, 0.9).needs_probe(layout)
 
 
+def test_the_exact_prefix_is_never_recomputed(llama):
+    """A first chunk computed where it lies, after everything before it (sequential and
+    isolated, or standalone with no S), has a full prefill's KV already: it is neither scored
+    nor chosen, at any ratio, though the ratio stays a share of every chunk token. A request
+    with one such chunk recomputes nothing and is the full prefill."""
+    build = PromptLayout.build
+    assert build(3, [4, 5], "sequential").exact_end == 7
+    assert build(0, [4, 5], "sequential", "standalone").exact_end == 4
+    assert build(3, [4, 5], "sequential", "standalone").exact_end == 3
+    assert build(3, [4, 5], "shared", "standalone").exact_end == 3
+    assert build(3, [], "sequential").exact_end == 3
+    layout = build(2, [4, 4], "sequential")  # chunk tokens 2 .. 9, the first chunk exact
+    scores = torch.tensor([9.0, 9.0, 9.0, 9.0, 0.5, 0.1, 0.3, 0.2])
+    assert RecomputeSpec("query", 0.25, None, (1,)).select(layout, scores) == (6, 8)
+    # Mass: 0.9 of the second chunk's 1.1 (the first chunk's 36 counts for nothing) takes
+    # 0.5, 0.3 and 0.2.
+    adaptive = RecomputeSpec("query", 1.0, None, (1,), 0.9, 0.0)
+    assert adaptive.select(layout, scores) == (6, 8, 9)
+    assert RecomputeSpec("query", 1.0, None, (1,)).select(layout, None) == (6, 7, 8, 9)
+    assert RecomputeSpec("sink", 0.5, None, (1,)).select(layout, None) == (6, 7)
+    assert RecomputeSpec("sink+query", 0.5, 1, (1,)).select(layout, scores) == (6, 7, 8, 9)
+    one = build(2, [6], "sequential")
+    for spec in (RecomputeSpec("query", 0.5, None, (1,), 0.9, 0.1),
+                 RecomputeSpec("sink+blend", 1.0, None, (1,))):
+        assert not spec.needs_probe(one) and spec.select(one, None) == ()
+
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=1024, chunk_cache_tokens=256)
+    S, A, Q = random_prompt(6, seed=170), random_prompt(14, seed=171), random_prompt(4, seed=172)
+    for method in ("query", "blend", "sink+query"):  # cold, then warm
+        prompt = rc(S, [A], Q, method, 0.5)
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert out.metrics.num_recomputed_tokens == 0
+        check(hf, prompt, out, "full")
+        llm.check_integrity()
+
+
 def test_select_takes_the_best_scores_ties_to_the_earlier_token():
-    layout = PromptLayout.build(2, [4, 4], "sequential")
+    layout = PromptLayout.build(2, [4, 4], "sequential", "standalone")
     scores = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.5, 0.0, 0.9, 0.2])
     spec = RecomputeSpec("query", 0.5, None, (1,))
     assert spec.select(layout, scores) == (3, 4, 5, 8)  # 0.9, 0.9, then the first 0.5
@@ -462,7 +503,7 @@ def test_query_and_blend_combine_as_shares_of_their_totals(llama, monkeypatch):
     blend = torch.tensor([0.0, 10.0, 0.0, 30.0])  # shares 0 .25 0 .75
     combined = spec.combine([query, blend])
     assert torch.allclose(combined, torch.tensor([0.25, 0.25, 0.75, 0.75], dtype=torch.float64))
-    layout = PromptLayout.build(2, [2, 2], "sequential")
+    layout = PromptLayout.build(2, [2, 2], "sequential", "standalone")
     assert spec.select(layout, combined) == (4, 5)  # the two 0.75: one from each scorer
     assert RecomputeSpec("query", 0.5, None, (1,)).combine([query]) is query
 
@@ -482,23 +523,23 @@ def test_query_and_blend_combine_as_shares_of_their_totals(llama, monkeypatch):
                         lambda self, req, selected: chosen.append(selected)
                         or choose(self, req, selected))
     S, A, B = random_prompt(5, seed=150), random_prompt(13, seed=151), random_prompt(8, seed=152)
-    prompt = RAGPrompt(S, [A, B], random_prompt(4, seed=153), position_strategy="sequential",
-                       recompute="query+blend", recompute_ratio=0.4)
+    prompt = RAGPrompt(S, [B, A], random_prompt(4, seed=153), position_strategy="sequential",
+                       recompute="query+blend", recompute_ratio=0.25)
     out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert [(kind, layers) for kind, layers, _ in runs] == [("query", (0, 1)), ("blend", (1,))]
     both = spec.combine([s for _, _, s in runs])
-    want = RecomputeSpec("query", 0.4, None, (0, 1)).select(
-        PromptLayout.build(5, [13, 8], "sequential"), both)
-    assert chosen == [want] and out.metrics.num_recomputed_tokens == len(want) == 9
+    want = RecomputeSpec("query", 0.25, None, (0, 1)).select(
+        PromptLayout.build(5, [8, 13], "sequential"), both)
+    assert chosen == [want] and out.metrics.num_recomputed_tokens == len(want) == 6
     # Neither scorer alone would have chosen it (else the combination would be untested).
-    alone = [RecomputeSpec("query", 0.4, None, (0, 1)).select(
-        PromptLayout.build(5, [13, 8], "sequential"), s) for _, _, s in runs]
+    alone = [RecomputeSpec("query", 0.25, None, (0, 1)).select(
+        PromptLayout.build(5, [8, 13], "sequential"), s) for _, _, s in runs]
     assert want not in alone
     llm.check_integrity()
 
 
 def test_adaptive_budget_takes_the_fewest_tokens_holding_the_mass():
-    layout = PromptLayout.build(2, [4, 4], "sequential")  # chunk tokens at 2 .. 9
+    layout = PromptLayout.build(2, [4, 4], "sequential", "standalone")  # chunk tokens 2 .. 9
     scores = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.5, 0.0, 0.9, 0.2])  # mass 3.6
 
     def adaptive(mass, high=1.0, low=0.0, method="query", sink=None):
@@ -520,7 +561,8 @@ def test_adaptive_budget_takes_the_fewest_tokens_holding_the_mass():
 def test_adaptive_budget_at_the_ends_and_within_bounds(llama):
     """Mass 1 with scores everywhere recomputes every chunk token up to the ratio: at
     ratio 1 the full prefill exactly; low = high = 0 is the sequential layout; in between each
-    request recomputes within [low, high] of its chunk tokens."""
+    request recomputes within [low, high] of its chunk tokens (none of the first chunk's, which
+    is exact already)."""
     path, hf = llama
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
     S, Q = random_prompt(7, seed=120), random_prompt(5, seed=121)
@@ -534,7 +576,7 @@ def test_adaptive_budget_at_the_ends_and_within_bounds(llama):
     full = adaptive(1.0, 1.0, 0.5)
     out = llm.generate([full], GREEDY, use_tqdm=False)[0]
     check(hf, full, out, "full")
-    assert out.metrics.num_recomputed_tokens == 27
+    assert out.metrics.num_recomputed_tokens == len(B)
     none = adaptive(0.0, 0.0, 0.9, (B, A))
     out = llm.generate([none], GREEDY, use_tqdm=False)[0]
     check(hf, none, out, "sequential")
@@ -543,7 +585,8 @@ def test_adaptive_budget_at_the_ends_and_within_bounds(llama):
     for mass in (0.05, 0.5, 0.95):
         out = llm.generate([adaptive(0.1, 0.6, mass)], GREEDY, use_tqdm=False)[0]
         counts.append(out.metrics.num_recomputed_tokens)
-    assert 3 <= counts[0] <= counts[1] <= counts[2] <= 17, counts  # ceil(.1*27), ceil(.6*27)
+    # ceil(.1 * 27) and ceil(.6 * 27) = 17, of which B holds 11
+    assert 3 <= counts[0] <= counts[1] <= counts[2] <= 11, counts
     assert counts[0] < counts[2], counts  # the mass decides, not a fixed ratio
     for kwargs, fragment in (
             ({"recompute_score_mass": 0.0}, "recompute_score_mass"),
@@ -572,12 +615,13 @@ def _scheduler_request(spec):
     cache = ChunkCache(SlotAllocator(64, 100))
     sched = Scheduler(kv, cache, 4, 64, False, debug_checks=True, num_layers=4)
     S, C, Q = [1, 2], [(3, 4, 5, 6), (7, 8, 9, 10)], [11, 12]
-    layout = PromptLayout.build(2, [4, 4], "sequential", "isolated")
+    # Standalone chunks: with S before them, neither is exact already, so both recompute.
+    layout = PromptLayout.build(2, [4, 4], "sequential", "standalone")
     tokens = S + [t for c in C for t in c] + Q
     req = Request(request_id="a", parent_id="a", index=0, prompt=None,
                   prompt_token_ids=tokens, params=GREEDY, seed=0,
                   max_tokens=2, stop_ids=frozenset(), metrics=None, layout=layout,
-                  chunk_keys=ChunkKeys("m", torch.float32).of_prompt(S, C, "isolated", None),
+                  chunk_keys=ChunkKeys("m", torch.float32).of_prompt(S, C, "standalone", None),
                   kv=SeqKV(),
                   recompute=spec)
     req.metrics = RequestMetrics(arrival_time=0.0)
@@ -701,10 +745,11 @@ def test_one_layer_model_loads_with_recompute_off(tmp_path):
         llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute="query+blend")], GREEDY,
                      use_tqdm=False)
     llm.check_integrity()
-    for method in ("query", "sink"):
-        out = llm.generate([RAGPrompt([1, 2], [[3, 4]], [5], recompute=method,
+    # query: ceil(0.5 * 6) of the second chunk, by its probe; sink: ceil(0.5 * 4) of it.
+    for method, count in (("query", 3), ("sink", 2)):
+        out = llm.generate([RAGPrompt([1, 2], [[3, 4], [6, 7, 8, 9]], [5], recompute=method,
                                       recompute_ratio=0.5)], GREEDY, use_tqdm=False)[0]
-        assert out.metrics.num_recomputed_tokens == 1
+        assert out.metrics.num_recomputed_tokens == count
     llm.check_integrity()
 
 

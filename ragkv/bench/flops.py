@@ -21,33 +21,36 @@ def prefill_flops(mc, query_kv_lens: list[int], layers: int | None = None,
 
 def recompute_flops(mc, system: int, chunk_lens: list[int], question: int, ratio: float,
                     probe: str | None, probe_layers: int = 2) -> float:
-    """FLOPs of a warm selective-recompute request in the sequential layout: the recomputed
-    chunk tokens (spread evenly over the chunks) and the question, each attending to everything
-    before it, plus the probe that chooses them: `blend` runs every chunk token through the
-    probe layers but the last, and the last one's K/V projection; `query` the question tokens
-    through the probe layers."""
+    """FLOPs of a warm selective-recompute request in the sequential layout (isolated chunks):
+    the recomputed chunk tokens, `ratio` of all of them spread evenly over the chunks after the
+    first (whose cached KV is already a full prefill's, so it is never recomputed), and the
+    question, each attending to everything before it, plus the probe that chooses them:
+    `blend` runs the chunk tokens after the first chunk through the probe layers but the last,
+    and the last one's K/V projection; `query` the question tokens through the probe layers."""
     context = system + sum(chunk_lens)
     total = sum(chunk_lens)
-    count = min(total, math.ceil(ratio * total - 1e-9))
-    picked = [system + 1 + (i * total) // count for i in range(count)] if count else []
+    first = chunk_lens[0] if chunk_lens else 0
+    count = min(total - first, math.ceil(ratio * total - 1e-9))
+    picked = ([system + first + 1 + (i * (total - first)) // count for i in range(count)]
+              if count else [])
     work = picked + [context + t for t in range(1, question + 1)]
     flops = prefill_flops(mc, work)
     if probe is not None:
-        flops += probe_flops(mc, system, total, question, probe, probe_layers)
+        flops += probe_flops(mc, system, total, question, probe, probe_layers, first)
     return flops
 
 
 def probe_flops(mc, system: int, chunk_tokens: int, question: int, probe: str,
-                probe_layers: int) -> float:
+                probe_layers: int, skip: int = 0) -> float:
     """FLOPs of one recompute probe (recompute/probe.py) through `probe_layers` layers: `blend`
-    runs every chunk token through the layers but the last, and the last one's K/V projection;
-    `query` the question tokens."""
+    runs the chunk tokens after the first `skip` (the first chunk's) through the layers but the
+    last, and the last one's K/V projection; `query` the question tokens."""
     context = system + chunk_tokens
     if probe == "blend":
         d, kvh, hd = mc.hidden_size, mc.num_kv_heads, mc.head_dim
-        chunk_kv = [system + t for t in range(1, chunk_tokens + 1)]
+        chunk_kv = [system + t for t in range(skip + 1, chunk_tokens + 1)]
         return (prefill_flops(mc, chunk_kv, layers=probe_layers - 1, head=False)
-                + chunk_tokens * 2 * d * 2 * kvh * hd)
+                + (chunk_tokens - skip) * 2 * d * 2 * kvh * hd)
     question_kv = [context + t for t in range(1, question + 1)]
     return prefill_flops(mc, question_kv, layers=probe_layers, head=False)
 

@@ -208,7 +208,7 @@ def run_offline(model: str, modes: list[str], config: WorkloadConfig, engine_kwa
         chunk = results["modes"]["chunk"]
         s, q, total = config.system_tokens, config.question_tokens, sum(chunk_lens)
         work = recompute_flops(mc, s, chunk_lens, q, chunk["recomputed_fraction"], None)
-        work += sum(probe_flops(mc, s, total, q, kind, max(layers) + 1)
+        work += sum(probe_flops(mc, s, total, q, kind, max(layers) + 1, chunk_lens[0])
                     for kind, layers in chunk["probes"])
         bound = full_prefill_flops(mc, s + total + q) / work
     results["flop_bound"] = bound

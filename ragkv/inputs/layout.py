@@ -57,6 +57,17 @@ class PromptLayout:
     def is_rag(self) -> bool:
         return bool(self.chunk_bounds)
 
+    @property
+    def exact_end(self) -> int:
+        """Flat index up to which the request's cached KV is exactly what a full prefill of
+        the prompt computes: S and, when it is computed where it lies and after all that
+        precedes it (sequential positions, isolated, or standalone with no S), the first
+        chunk. Recomputing a token before it would give back the KV it has."""
+        s = self.system_len
+        if self.chunk_deltas[:1] != (0,) or not (self.sees_system or s == 0):
+            return s
+        return self.chunk_bounds[0][1]
+
     def chunk_at(self, x: int) -> int | None:
         """Index of the chunk holding flat token x, if any."""
         if not self.system_len <= x < self.question_start:

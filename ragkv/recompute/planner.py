@@ -100,7 +100,8 @@ class RecomputePlanner:
         works = []
         for kind, layers in spec.probes:
             if kind == "blend":
-                probed = list(range(s, qs))
+                # The exact prefix's chunk tokens deviate by nothing: they are not probed.
+                probed = list(range(layout.exact_end, qs))
                 key_positions, positions = layout.chunk_positions(probed)
             else:
                 # Scored prompt tokens are an answer being scored (ragkv eval): choosing by
@@ -115,6 +116,7 @@ class RecomputePlanner:
                 request=req, kind=kind, token_ids=[req.token_ids[x] for x in probed],
                 positions=positions, key_positions=key_positions, kv_slots=req.kv.slots[:qs],
                 turns=layout.turns, chunks=(s, qs), check_layers=layers,
+                skip=layout.exact_end - s if kind == "blend" else 0,
                 block_tokens=self.block_tokens,
                 own_slots=req.kv.slots[qs:probed[-1] + 1] if kind != "blend" else []))
         return works
@@ -124,7 +126,7 @@ class RecomputePlanner:
         spec, layout = req.recompute, req.layout
         cost = 0
         for kind, layers in spec.probes:
-            probed = (layout.question_start - layout.system_len if kind == "blend"
+            probed = (layout.question_start - layout.exact_end if kind == "blend"
                       else req.num_prompt_tokens - layout.question_start)
             cost += -(-probed * (max(layers) + 1) // self.num_layers)
         return max(1, cost)

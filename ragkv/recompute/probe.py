@@ -53,7 +53,8 @@ class ProbeWork:
     """One request's probe in a step. `kind`: "blend" (`token_ids` are the chunk tokens) or
     "query" (the question tokens); `kv_slots`: the request's KV list up to the question (S and
     the chunks, flat order); `turns`: (start, end, delta) of its re-positioned chunks;
-    `chunks`: [start, end) of the chunk tokens in that list."""
+    `chunks`: [start, end) of the chunk tokens in that list; `skip`: the chunk tokens at its
+    front a `blend` probe leaves out (`token_ids` starts after them; their scores stay 0)."""
 
     request: object  # the engine's Request, handed back with the scores
     kind: str
@@ -64,6 +65,7 @@ class ProbeWork:
     turns: tuple[Turn, ...]
     chunks: tuple[int, int]
     check_layers: tuple[int, ...]
+    skip: int = 0
     # Chunk tokens a `blend` probe takes through the layers at a time (the step's token
     # budget): its activations stay one step's; only the keys it gathers grow with the
     # chunks' length (102 MB in all for 32k tokens of SmolLM2's shape, ~8 GB in one pass).
@@ -99,7 +101,7 @@ class ProbeWork:
         # budget whatever the chunks' length. Each check layer's deviations are divided by
         # their total over all the tokens at the end.
         deviations = {layer: torch.zeros_like(scores) for layer in self.check_layers}
-        for t0 in range(0, last - first, self.block_tokens):
+        for t0 in range(self.skip, last - first, self.block_tokens):
             t1 = min(last - first, t0 + self.block_tokens)
             self._probe(model, pool, index, rotation, t0, t1, deviations)
         for layer in sorted(deviations):
@@ -133,8 +135,9 @@ class ProbeWork:
         own slots): the layers outside the check layers run as the backend's step."""
         device = pool.k.device
         n = t1 - t0
-        cos, sin = model.rotary.cos_sin(torch.tensor(self.positions[t0:t1], device=device))
-        key_rope = model.rotary.cos_sin(torch.tensor(self.key_positions[t0:t1], device=device))
+        p0, p1 = t0 - self.skip, t1 - self.skip  # blend: token_ids begin at `skip`
+        cos, sin = model.rotary.cos_sin(torch.tensor(self.positions[p0:p1], device=device))
+        key_rope = model.rotary.cos_sin(torch.tensor(self.key_positions[p0:p1], device=device))
         first, last = self.chunks
         check_layers = self.check_layers
         final = max(check_layers)
@@ -169,7 +172,7 @@ class ProbeWork:
                 return None
             return attn.o_proj.forward(out.reshape(n, -1))
 
-        ids = torch.tensor(self.token_ids[t0:t1], device=device)
+        ids = torch.tensor(self.token_ids[p0:p1], device=device)
         model.run_layers(model.embed_tokens[ids], attend)
 
 

@@ -58,15 +58,16 @@ class RecomputeSpec:
         """Flat indices of the sink tokens, for the methods that take them."""
         if not self.method.startswith("sink"):
             return []
+        # A chunk of the exact prefix (layout.exact_end) has the KV a recompute would give.
+        chunks = [(a, b) for a, b in layout.chunk_bounds if a >= layout.exact_end]
         if self.method == "sink":
             def count(n: int) -> int:  # alone, the ratio of each chunk unless k is given
                 return self.budget(n) if self.sink_tokens is None else min(n, self.sink_tokens)
 
-            return [x for a, b in layout.chunk_bounds for x in range(a, a + count(b - a))]
+            return [x for a, b in chunks for x in range(a, a + count(b - a))]
         k = DEFAULT_SINK_TOKENS if self.sink_tokens is None else self.sink_tokens
         # Within the budget, every chunk's first token before any chunk's second one.
-        ranked = sorted((x - a, x) for a, b in layout.chunk_bounds
-                        for x in range(a, min(b, a + k)))
+        ranked = sorted((x - a, x) for a, b in chunks for x in range(a, min(b, a + k)))
         budget = self.budget(layout.question_start - layout.system_len)
         return sorted(x for _, x in ranked[:budget])
 
@@ -74,8 +75,9 @@ class RecomputeSpec:
         """Whether choosing R needs the model: a scorer with budget left after the sinks, and
         a choice to make (not every chunk token, as at r = 1)."""
         total = layout.question_start - layout.system_len
-        return (bool(self.scorers) and self.budget(total) > len(self.sink(layout))
-                and self._least(total) < total)
+        room = layout.question_start - layout.exact_end
+        return (bool(self.scorers) and min(self.budget(total), room) > len(self.sink(layout))
+                and self._least(total) < room)
 
     def _least(self, total: int) -> int:
         """The fewest chunk tokens recomputed: all of the budget unless it is adaptive."""
@@ -88,18 +90,22 @@ class RecomputeSpec:
         (higher: recompute first), from the probe when `needs_probe`. Ties go to the earlier
         token, so the choice is a function of the prompt and the cached KV alone."""
         chosen = self.sink(layout)
-        s = layout.system_len
-        total = layout.question_start - s
-        rest = self.budget(total) - len(chosen) if self.scorers else 0
-        if self.scorers and self._least(total) >= total:
-            return tuple(range(s, s + total))  # every chunk token: no choice to make
+        s, e, qs = layout.system_len, layout.exact_end, layout.question_start
+        total = qs - s
+        # Only tokens after the exact prefix can change: the budget counts every chunk token
+        # (r is a share of them all), R takes none before `e`.
+        rest = min(self.budget(total), qs - e) - len(chosen) if self.scorers else 0
+        if self.scorers and self._least(total) >= qs - e:
+            return tuple(range(e, qs))  # every token that can change: no choice to make
         if rest > 0:
             if scores is None or scores.numel() != total:
                 raise ValueError(f"recompute={self.method!r} needs one score per chunk token "
                                  f"({total})")
             scores = scores.detach().double().cpu().clone()
+            scores[:e - s] = 0.0  # neither mass nor rank: a full prefill's KV already
             if self.score_mass is not None:
                 rest = self._adaptive(scores, chosen, s, total, rest)
+            scores[:e - s] = -math.inf
             if chosen:
                 scores[torch.tensor(chosen) - s] = -math.inf
             order = torch.sort(scores, descending=True, stable=True).indices[:rest]
