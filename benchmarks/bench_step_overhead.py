@@ -64,7 +64,7 @@ def warm_rag_engine(path: str, **kwargs) -> LLM:
     a warm request computes its question only (the quality mode's probe and recomputed chunk
     tokens are model work, not the host work timed here)."""
     llm = LLM(path, max_model_len=8192, max_num_seqs=64, max_num_batched_tokens=8192,
-              position_strategy="shared", **kwargs)
+              position_strategy="shared", chunk_separator="##", **kwargs)
     stub_model(llm)
     llm.engine.runner.backend.prepare = lambda meta: None
     return llm

@@ -56,6 +56,9 @@ class EngineConfig:
     seed: int = 0
     kv_cache_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
+    # vLLM's sizing on a GPU: the share of the device's total memory this engine may hold
+    # (weights, activations, KV); the KV pool takes what the loaded model leaves of it.
+    gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -64,7 +67,10 @@ class EngineConfig:
     max_n: int = 128  # largest `n` (completions per prompt) a request may ask for
     # Chunk cache (docs/rag.md): chunk-isolated RAG prompts with reusable chunk KV.
     enable_chunk_cache: bool = True
-    chunk_separator: str | None = "##"
+    # A plain string prompt is split at this text into system, chunks and question only when
+    # it is set (here, `--chunk-separator`, or a request's `chunk_separator`): None never
+    # reinterprets a prompt (a markdown "## " header stays text).
+    chunk_separator: str | None = None
     chunk_cache_tokens: int | None = None
     chunk_cache_fraction: float = 0.3
     max_chunk_tokens: int = 4096
@@ -126,8 +132,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if self.kv_cache_tokens is not None and self.kv_cache_memory_bytes is not None:
-            raise ValueError("give at most one of kv_cache_tokens and kv_cache_memory_bytes")
+        sizes = [name for name in ("kv_cache_tokens", "kv_cache_memory_bytes",
+                                   "gpu_memory_utilization") if getattr(self, name) is not None]
+        if len(sizes) > 1:
+            raise ValueError(f"give at most one of kv_cache_tokens, kv_cache_memory_bytes and "
+                             f"gpu_memory_utilization (got {' and '.join(sizes)})")
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not isinstance(util, (int, float))
+                                 or not 0.0 < util <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
@@ -165,9 +178,7 @@ class EngineConfig:
         if self.chunk_store and not self.enable_chunk_cache:
             raise ValueError("chunk_store backs the chunk cache: it needs "
                              "enable_chunk_cache=True")
-        if self.chunk_separator is not None and (
-                not isinstance(self.chunk_separator, str) or not self.chunk_separator.strip()):
-            raise ValueError("chunk_separator must be a non-blank string or None")
+        check_separator(self.chunk_separator)
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")
@@ -177,6 +188,12 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def check_separator(separator: object) -> None:
+    """A chunk separator is a non-blank string or None (no splitting)."""
+    if separator is not None and (not isinstance(separator, str) or not separator.strip()):
+        raise ValueError("chunk_separator must be a non-blank string or None")
 
 
 def check_layout(position_strategy: object, chunk_attention: object,

@@ -34,10 +34,11 @@ class LLM:
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; outputs come back in the prompts' order.
 
-        A prompt is a str (split at `chunk_separator` into system, chunks and question), a
-        `RAGPrompt`, or a `{"prompt_token_ids": [...]}` / `{"prompt": ...}` dict, each with
-        an optional `cache_salt`. All prompts are validated before any is queued, so a bad one
-        raises ValueError and nothing runs.
+        A prompt is a str (an ordinary prompt; split into system, chunks and question only
+        at the engine's `chunk_separator` when one is set), a `RAGPrompt`, or a
+        `{"prompt_token_ids": [...]}` / `{"prompt": ...}` dict, each with an optional
+        `cache_salt` (the text form also with its own `chunk_separator`). All prompts are
+        validated before any is queued, so a bad one raises ValueError and nothing runs.
         """
         # Anything but a list or tuple is one prompt (and a wrong type is a ValueError there).
         prompts = list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
@@ -75,6 +76,28 @@ class LLM:
             bar.close()
         return [results[rid] for rid in ids]
 
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams]
+             | None = None, use_tqdm: bool = True, *, documents: list[str] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             chunk_separator: str | None = None, cache_salt: str | None = None,
+             **rag_options: object) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered with the model's chat template (or `chat_template`) exactly as
+        the server's /v1/chat/completions renders them: `documents` (or, with a
+        `chunk_separator`, separators in the last user message) become reused chunks after
+        the system message. A message's content is a string or a list of text parts. The
+        RAG options (`position_strategy`, `recompute`, ...) apply to every conversation."""
+        conversations = (messages if messages and isinstance(messages, (list, tuple))
+                         and isinstance(messages[0], (list, tuple)) else [messages])
+        prompts = []
+        for conversation in conversations:
+            prompts.append(self.engine.process_chat(
+                [_chat_message(m, i) for i, m in enumerate(conversation)], documents,
+                cache_salt, chunk_separator=chunk_separator,
+                add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                **rag_options))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def get_chunk_cache_stats(self) -> ChunkCacheStats:
         """lookups, hits, misses, hit_rate, hit_tokens, cached_chunks, used_tokens,
         capacity_tokens, evictions, avg_lookup_ms (counted over the engine's life)."""
@@ -110,3 +133,23 @@ class LLM:
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
+
+
+def _chat_message(message: object, i: int) -> dict:
+    """One chat message as the template takes it: its content a string (text parts joined,
+    as the server joins them)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise ValueError(f"messages[{i}].content: only text parts "
+                                 "({'type': 'text', 'text': ...}) are supported")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    return {"role": message["role"], "content": content}

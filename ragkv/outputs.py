@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -75,7 +75,10 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None)
+    # SamplingParams.prompt_logprobs: one {token id: Logprob} per prompt token (the actual
+    # token and the k most likely), None where there is none (the first token; in a RAG
+    # prompt, up to the question's first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set when serving the request failed (its completions end with finish_reason "error");
     # the message says why. Other requests are not affected. `bad_request`: the request's own
     # input caused it (a structured-output schema over the grammar budget), a client error.

@@ -234,8 +234,10 @@ BAD_PARAMS = [
     ({"min_p": 2}, "min_p"),
     ({"min_p": -0.5}, "min_p"),
     ({"min_p": float("nan")}, "min_p"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),  # 0 is valid: the prompt is only scored
     ({"max_tokens": -3}, "max_tokens"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 2.0}, "prompt_logprobs"),
     ({"max_tokens": 4.0}, "max_tokens"),
     ({"logprobs": -1}, "logprobs"),
     ({"logprobs": 1.0}, "logprobs"),

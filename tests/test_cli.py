@@ -31,7 +31,7 @@ def llama(checkpoint, hf_model):
     (builtin:tiny's barely depend on the context), HF transformers over the same directory
     (the reference), and an engine that tokenizes prompts as the CLI does."""
     path = checkpoint("llama")
-    return path, hf_model(path), LLM(path)
+    return path, hf_model(path), LLM(path, chunk_separator="##")
 
 
 def reference_tokens(hf, prompt, layout: tuple[str, str] | None, max_tokens: int = MAX_TOKENS,
@@ -50,7 +50,7 @@ def reference_tokens(hf, prompt, layout: tuple[str, str] | None, max_tokens: int
 def generated_ids(model: str, num_prompt_tokens: int, *flags: str) -> list[int]:
     """Greedy token ids of `ragkv generate --json` for RAG_TEXT with `flags`."""
     r = ragkv("generate", "--model", model, "--json", "--max-tokens", str(MAX_TOKENS),
-              "--ignore-eos", "--prompt", RAG_TEXT, *flags)
+              "--ignore-eos", "--chunk-separator", "##", "--prompt", RAG_TEXT, *flags)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["num_prompt_tokens"] == num_prompt_tokens
@@ -58,12 +58,21 @@ def generated_ids(model: str, num_prompt_tokens: int, *flags: str) -> list[int]:
 
 
 def test_generate_json_rag_prompt():
-    r = ragkv("generate", "--model", "builtin:tiny", "--json", "--max-tokens", "5",
-              "--prompt", "Sys ## doc one ## doc two ## question?", "--prompt", "plain")
-    assert r.returncode == 0, r.stderr
-    lines = [json.loads(line) for line in r.stdout.splitlines()]
-    assert [x["prompt"] for x in lines] == ["Sys ## doc one ## doc two ## question?", "plain"]
-    assert all(len(x["token_ids"]) <= 5 and x["finish_reason"] for x in lines)
+    """With --chunk-separator a `##` prompt is split into system, documents and question
+    (fewer tokens: the separators are markup); without it, it is text like any other."""
+    prompts = ("--prompt", "Sys ## doc one ## doc two ## question?", "--prompt", "plain")
+    runs = {}
+    for flags in ((), ("--chunk-separator", "##")):
+        r = ragkv("generate", "--model", "builtin:tiny", "--json", "--max-tokens", "5",
+                  *flags, *prompts)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(line) for line in r.stdout.splitlines()]
+        assert [x["prompt"] for x in lines] == ["Sys ## doc one ## doc two ## question?",
+                                                 "plain"]
+        assert all(len(x["token_ids"]) <= 5 and x["finish_reason"] for x in lines)
+        runs[flags] = [x["num_prompt_tokens"] for x in lines]
+    assert runs[()][0] > runs["--chunk-separator", "##"][0]
+    assert runs[()][1] == runs["--chunk-separator", "##"][1]
 
 
 def test_generate_with_a_layout(llama):
@@ -182,3 +191,90 @@ def test_generate_with_structured_outputs(tmp_path):
     r = ragkv("generate", "--model", "builtin:tiny", "--prompt", "q", "--json-object",
               "--choice", "a")
     assert r.returncode == 2 and "not allowed with" in r.stderr
+
+
+# ------------------------------------------------------------------- vLLM's CLI conventions
+
+
+def test_every_flag_of_every_command_has_help():
+    """`ragkv CMD --help` explains every flag (no bare names)."""
+    import argparse
+
+    from ragkv.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(commands.choices) >= {"serve", "generate", "bench", "eval", "calibrate", "demo",
+                                     "precompute"}
+    for name, command in commands.choices.items():
+        bare = [a.option_strings or a.dest for a in command._actions
+                if not (a.help or "").strip()]
+        assert not bare, f"ragkv {name}: flags without help: {bare}"
+
+
+def test_model_as_argument_or_flag_on_every_command(monkeypatch, capsys):
+    """MODEL and --model name the same thing, on every command that loads one; both, if they
+    differ, or neither where the command has no default, is a clear error."""
+    from ragkv.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_generate", lambda args: seen.append(args.model) or 0)
+    monkeypatch.setattr(cli, "_serve", lambda args: seen.append(args.model) or 0)
+    for argv in (["generate", "builtin:tiny", "--prompt", "q"],
+                 ["generate", "--model", "builtin:tiny", "--prompt", "q"],
+                 ["generate", "builtin:tiny", "--model", "builtin:tiny", "--prompt", "q"],
+                 ["serve", "builtin:tiny"], ["serve", "--model", "builtin:tiny"]):
+        assert cli.main(argv) == 0
+    assert seen == ["builtin:tiny"] * 5
+    assert cli.main(["generate", "--prompt", "q"]) == 0 and seen[-1] == "builtin:small"
+    for argv, fragment in ((["serve"], "no model given"),
+                           (["serve", "a", "--model", "b"], "two models given")):
+        assert cli.main(argv) == 2 and fragment in capsys.readouterr().err
+
+
+def test_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypatch, capsys):
+    """--config FILE (vLLM's YAML: keys are flag names, either spelling): true is the flag,
+    false its --no- form, a list the values; the command line wins; an unknown key is an
+    error naming it."""
+    from ragkv.entrypoints import cli
+
+    got = []
+    monkeypatch.setattr(cli, "_serve", lambda args: got.append(args) or 0)
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: builtin:tiny\nmax-model-len: 512\nport: 9001\n"
+                      "enable_prefix_caching: false\nserved-model-name: [a, b]\n"
+                      "chunk-separator: '##'\n")
+    assert cli.main(["serve", "--config", str(config), "--port", "9002"]) == 0
+    args = got[-1]
+    assert (args.model, args.max_model_len, args.port, args.enable_prefix_caching,
+            args.served_model_name, args.chunk_separator) == (
+        "builtin:tiny", 512, 9002, False, ["a", "b"], "##")
+    config.write_text("model: builtin:tiny\nprompt: [one, two]\n")
+    gen = []
+    monkeypatch.setattr(cli, "_generate", lambda args: gen.append(args.prompt) or 0)
+    assert cli.main(["generate", f"--config={config}"]) == 0 and gen == [["one", "two"]]
+    config.write_text("bogus-flag: 1\n")
+    assert cli.main(["serve", "--config", str(config)]) == 2
+    assert "'bogus-flag' is not a flag" in capsys.readouterr().err
+    assert cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_gpu_memory_utilization_sizes_the_pool_from_the_device():
+    """--gpu-memory-utilization: the KV cache gets the share of the device's memory the loaded
+    model leaves (less a sixteenth for activations); on CPU it is refused with the flags that
+    size a CPU pool."""
+    from ragkv.cache.kv_pool import kv_tokens_for_utilization
+    from ragkv.config import EngineConfig
+
+    gib = 1 << 30
+    # 80 GiB device, 10 GiB in use: 0.9 -> 72 - 10 = 62 GiB, 15/16 of it for the KV cache.
+    assert kv_tokens_for_utilization(0.9, 70 * gib, 80 * gib, 1024) == 62 * gib * 15 // 16 // 1024
+    with pytest.raises(ValueError, match="leaves no room"):
+        kv_tokens_for_utilization(0.1, 70 * gib, 80 * gib, 1024)
+    for bad in (0.0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(model="builtin:tiny", gpu_memory_utilization=bad)
+    with pytest.raises(ValueError, match="at most one of"):
+        EngineConfig(model="builtin:tiny", gpu_memory_utilization=0.5, kv_cache_tokens=64)
+    with pytest.raises(ValueError, match="--kv-cache-tokens"):
+        LLM("builtin:tiny", device="cpu", gpu_memory_utilization=0.9)

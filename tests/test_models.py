@@ -126,3 +126,31 @@ def test_eos_and_stop_token_ids_end_generation(checkpoint, hf_model):
     assert out.token_ids == want[:want.index(stop_at) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
     llm.check_integrity()
+
+
+def test_a_hub_id_loads_from_the_local_hf_cache(checkpoint, tmp_path, monkeypatch):
+    """`LLM("Org/Name")` finds the model in the local Hugging Face cache, as transformers does
+    offline: the snapshot `refs/main` names, else the newest; an id the cache lacks is a clear
+    error saying where it looked, and nothing is downloaded."""
+    import os
+    import shutil
+
+    path = checkpoint("llama")
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(path, repo / "snapshots" / "abc123")
+    os.makedirs(repo / "snapshots" / "old")  # not the revision refs/main names
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123\n")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": random_prompt(9, seed=3)}
+    want = LLM(path, kv_cache_tokens=256).generate(prompt, params, use_tqdm=False)[0]
+    got = LLM("acme/tiny-llama", kv_cache_tokens=256).generate(prompt, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"models--acme--other.*never downloads"):
+        LLM("acme/other", kv_cache_tokens=256)
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    from ragkv.model.loader import hf_cache_snapshot
+
+    assert hf_cache_snapshot("acme/tiny-llama") == str(repo / "snapshots" / "abc123")

@@ -116,7 +116,7 @@ def test_layout_as_engine_default(llama):
     a prompt's own choice overrides them."""
     path, hf = llama
     llm = make_llm(path, kv_cache_tokens=1024, position_strategy="sequential", recompute="none",
-                   chunk_attention="standalone")
+                   chunk_attention="standalone", chunk_separator="##")
     S = random_prompt(8, seed=30)
     A, B = random_prompt(12, seed=31), random_prompt(19, seed=32)
     q = random_prompt(4, seed=33)
@@ -129,10 +129,10 @@ def test_layout_as_engine_default(llama):
     tok = llm.get_tokenizer()
     text = llm.generate("sys ## doc a ## doc b ## question?", GREEDY, use_tqdm=False)[0]
     llm.check_integrity()
-    by_ids = rag(tok.encode("sys ", add_special_tokens=True),
-                 [tok.encode(" doc a ", add_special_tokens=False),
-                  tok.encode(" doc b ", add_special_tokens=False)],
-                 tok.encode(" question?", add_special_tokens=False))
+    by_ids = rag(tok.encode("sys", add_special_tokens=True),
+                 [tok.encode("doc a", add_special_tokens=False),
+                  tok.encode("doc b", add_special_tokens=False)],
+                 tok.encode("question?", add_special_tokens=False))
     check_outputs(hf, [by_ids], [text], llm)
 
 

@@ -99,7 +99,8 @@ def test_precompute_text_format_and_salt_match_separator_prompts(llama, tmp_path
     store = f"disk:{tmp_path / 'store'}:1GiB"
     done = precompute(path, corpus, store, "--prompt-format", "text", "--cache-salt", "t1")
     assert done.returncode == 0, done.stderr
-    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store, position_strategy="shared")
+    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store, position_strategy="shared",
+              chunk_separator="##")
     params = SamplingParams(max_tokens=2, temperature=0.0)
     text = SYSTEM + "##" + TEXTS[1] + "##" + TEXTS[0] + "##What is w1?"
     salted = llm.generate([{"prompt": text, "cache_salt": "t1"}], params, use_tqdm=False)[0]

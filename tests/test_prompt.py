@@ -31,6 +31,11 @@ def rules(**kwargs) -> PromptRules:
     return PromptRules(vocab_size=VOCAB, **kwargs)
 
 
+def split(**kwargs) -> PromptRules:
+    """An engine with `chunk_separator="##"`."""
+    return rules(separator="##", **kwargs)
+
+
 def decoded_tokens(tok, p: ChunkedPrompt) -> list[str]:
     return [tok.decode([t]) for part in (p.system, *p.chunks, p.question) for t in part]
 
@@ -46,33 +51,48 @@ def test_separator_splits_the_text_then_tokenizes_each_part(tok, sep):
     text = sep.join(texts)
     p = parse_prompt(text, tok, rules(separator=sep))
     assert p.is_rag and p.text == text
+    # Each part trimmed of the whitespace next to a separator.
     assert p.system == enc(tok, texts[0], special=True)
     assert p.system[0] == tok.bos_token_id and p.system.count(tok.bos_token_id) == 1
-    assert p.chunks == [enc(tok, texts[1]), enc(tok, texts[2])]
-    assert p.question == enc(tok, texts[3])
+    assert p.chunks == [enc(tok, texts[1].strip()), enc(tok, texts[2])]
+    assert p.question == enc(tok, texts[3].lstrip())
     assert p.token_ids == p.system + p.chunks[0] + p.chunks[1] + p.question
     # The separator is markup: none of its text reaches the model.
     joined = "".join(decoded_tokens(tok, p))
     assert joined == tok.decode(p.token_ids)
-    assert sep.strip() not in joined.replace(texts[1], "")
+    assert sep.strip() not in joined.replace(texts[1].strip(), "")
     if sep == "##":
         assert not any("#" in piece for piece in decoded_tokens(tok, p))
 
 
 def test_separator_glued_to_words_splits_at_text_level(tok):
-    p = parse_prompt("sys##first doc##second doc##question?", tok, rules())
+    p = parse_prompt("sys##first doc##second doc##question?", tok, split())
     assert p.system == enc(tok, "sys", special=True)
     assert p.chunks == [enc(tok, "first doc"), enc(tok, "second doc")]
     assert p.question == enc(tok, "question?")
     assert not any("#" in piece for piece in decoded_tokens(tok, p))
 
 
+def test_spacing_around_separators_gives_the_same_tokens(tok):
+    """One canonical form: the whitespace next to a separator is trimmed, so the README's
+    `S ## doc ## Q` and `S##doc##Q` are the same chunks (and share cache entries)."""
+    want = parse_prompt("Be brief.##The cat sat.##Where?", tok, split())
+    for text in ("Be brief. ## The cat sat. ## Where?", "Be brief.\n##\n The cat sat.\t##  Where?"):
+        p = parse_prompt(text, tok, split())
+        assert (p.system, p.chunks, p.question) == (want.system, want.chunks, want.question)
+    assert want.chunks == [enc(tok, "The cat sat.")] and want.question == enc(tok, "Where?")
+
+
 def test_no_separator_or_separator_disabled_is_an_ordinary_prompt(tok):
     text = "Plain text ## with hashes ## inside?"
-    p = parse_prompt(text, tok, rules(separator=None))
-    assert not p.is_rag and p.system == [] and p.chunks == []
-    assert p.question == enc(tok, text, special=True)
-    p = parse_prompt("Just a question?", tok, rules())
+    for r in (rules(), rules(separator=None)):  # the default: no separator, no split
+        p = parse_prompt(text, tok, r)
+        assert not p.is_rag and p.system == [] and p.chunks == []
+        assert p.question == enc(tok, text, special=True)
+    markdown = "# Pets\n## Cats\nCats sleep a lot.\n## Dogs\nWhich sleeps more?"
+    p = parse_prompt(markdown, tok, rules())
+    assert not p.is_rag and p.token_ids == enc(tok, markdown, special=True)
+    p = parse_prompt("Just a question?", tok, split())
     assert not p.is_rag and p.token_ids == enc(tok, "Just a question?", special=True)
     # A different separator: "##" is ordinary text then.
     p = parse_prompt(text, tok, rules(separator=" # # "))
@@ -80,21 +100,21 @@ def test_no_separator_or_separator_disabled_is_an_ordinary_prompt(tok):
 
 
 def test_empty_chunks_are_dropped(tok):
-    p = parse_prompt("sys ## first ##  ## \n ##second## question", tok, rules())
-    assert p.chunks == [enc(tok, " first "), enc(tok, "second")]
-    assert p.question == enc(tok, " question")
+    p = parse_prompt("sys ## first ##  ## \n ##second## question", tok, split())
+    assert p.chunks == [enc(tok, "first"), enc(tok, "second")]
+    assert p.question == enc(tok, "question")
     # Only empty chunks: no chunks at all, an ordinary prompt of system + question.
-    p = parse_prompt("sys ## ##   ## question", tok, rules())
+    p = parse_prompt("sys ## ##   ## question", tok, split())
     assert not p.is_rag
-    assert p.token_ids == enc(tok, "sys ", special=True) + enc(tok, " question")
+    assert p.token_ids == enc(tok, "sys", special=True) + enc(tok, "question")
     p = parse_prompt(RAGPrompt([5, 6], [[], [7], ""], [8]), tok, rules())
     assert p.chunks == [[7]]
 
 
 def test_one_separator_means_no_chunks(tok):
-    p = parse_prompt("You are terse. ## What is X?", tok, rules())
+    p = parse_prompt("You are terse. ## What is X?", tok, split())
     assert not p.is_rag and p.chunks == [] and p.system == []
-    assert p.question == enc(tok, "You are terse. ", special=True) + enc(tok, " What is X?")
+    assert p.question == enc(tok, "You are terse.", special=True) + enc(tok, "What is X?")
     assert p.token_ids == p.question
 
 
@@ -106,13 +126,21 @@ def test_one_separator_means_no_chunks(tok):
 ])
 def test_empty_question_is_an_error(tok, prompt):
     with pytest.raises(ValueError, match="question"):
-        parse_prompt(prompt, tok, rules())
+        parse_prompt(prompt, tok, split())
 
 
 def test_dict_prompt_text_is_split_and_keeps_its_salt(tok):
-    p = parse_prompt({"prompt": "sys ## doc ## q?", "cache_salt": "tenant-1"}, tok, rules())
+    p = parse_prompt({"prompt": "sys ## doc ## q?", "cache_salt": "tenant-1"}, tok, split())
     assert p.cache_salt == "tenant-1"
-    assert p.chunks == [enc(tok, " doc ")] and p.question == enc(tok, " q?")
+    assert p.chunks == [enc(tok, "doc")] and p.question == enc(tok, "q?")
+    # A prompt's own separator: splits where the engine has none, not where it says None.
+    own = parse_prompt({"prompt": "sys ## doc ## q?", "chunk_separator": "##"}, tok, rules())
+    assert own.chunks == p.chunks and own.question == p.question
+    plain = parse_prompt({"prompt": "sys ## doc ## q?", "chunk_separator": None}, tok, split())
+    assert not plain.is_rag and plain.token_ids == enc(tok, "sys ## doc ## q?", special=True)
+    for bad in ("  ", 3, ""):
+        with pytest.raises(ValueError, match="chunk_separator"):
+            parse_prompt({"prompt": "a ## b", "chunk_separator": bad}, tok, rules())
     with pytest.raises(ValueError):
         parse_prompt({"prompt": "sys ## doc ## q?", "cache_salt": 3}, tok, rules())
     with pytest.raises(ValueError):
@@ -175,7 +203,7 @@ def test_oversize_chunk_error_names_the_limit(tok):
     with pytest.raises(ValueError, match="max_chunk_tokens=4"):
         parse_prompt(prompt, tok, rules(max_chunk_tokens=4))
     with pytest.raises(ValueError, match="max_chunk_tokens"):
-        parse_prompt("sys ## " + "word " * 40 + "## q?", tok, rules(max_chunk_tokens=8))
+        parse_prompt("sys ## " + "word " * 40 + "## q?", tok, split(max_chunk_tokens=8))
     # Exactly at the limit is fine.
     p = parse_prompt(prompt, tok, rules(max_chunk_tokens=6))
     assert p.chunks == [[7, 8, 9], list(range(10, 16))]
@@ -189,8 +217,8 @@ def test_oversize_chunk_split_into_pieces(tok):
     assert all(len(c) <= 4 for c in p.chunks)
     assert p.token_ids == [5, 7, 8, *long, 9, 8]
     text = "sys ## " + "word " * 40 + "## q?"
-    p = parse_prompt(text, tok, rules(max_chunk_tokens=8, oversize_chunk="split"))
-    whole = enc(tok, " " + "word " * 40)
+    p = parse_prompt(text, tok, split(max_chunk_tokens=8, oversize_chunk="split"))
+    whole = enc(tok, ("word " * 40).strip())
     assert len(p.chunks) == -(-len(whole) // 8) and all(len(c) <= 8 for c in p.chunks)
     assert [t for c in p.chunks for t in c] == whole
 
@@ -267,9 +295,15 @@ def test_chat_without_system_message_puts_documents_in_the_first_user_turn(tok):
 def test_chat_separators_in_last_user_message(tok):
     content = DOCS[0] + "##" + DOCS[1] + "## ##" + QUESTION
     messages = [SYSTEM_MSG, {"role": "user", "content": content}]
-    prompt, text = split_chat_prompt(tok, messages)
+    prompt, text = split_chat_prompt(tok, messages, separator="##")
     check_chat_split(tok, prompt, text, messages, DOCS, QUESTION)
     assert "#" not in text
+    # Spaces around the separators are trimmed with it.
+    spaced = [SYSTEM_MSG, {"role": "user", "content": f"{DOCS[0]} ## {DOCS[1]} ## {QUESTION}"}]
+    assert split_chat_prompt(tok, spaced, separator="##") == (prompt, text)
+    # Without a separator the message is what it says.
+    plain, _ = split_chat_prompt(tok, messages)
+    assert not plain.is_rag
     # A custom separator; the documents are stripped.
     content = DOCS[0] + " # # " + DOCS[1] + " # # " + QUESTION
     messages = [SYSTEM_MSG, {"role": "user", "content": content}]
@@ -288,7 +322,7 @@ def test_chat_without_documents_is_an_ordinary_prompt(tok):
 
 def test_chat_errors(tok):
     with pytest.raises(ValueError, match="question"):
-        split_chat_prompt(tok, [{"role": "user", "content": "A doc.## "}])
+        split_chat_prompt(tok, [{"role": "user", "content": "A doc.## "}], separator="##")
     with pytest.raises(ValueError, match="question"):
         split_chat_prompt(tok, [{"role": "user", "content": " "}], documents=DOCS)
     with pytest.raises(ValueError, match="user"):

@@ -501,9 +501,9 @@ def tiny():
 def test_string_prompt_equals_tokenized_rag_prompt(separator, tiny, hf_model):
     llm = make_llm("builtin:tiny", kv_cache_tokens=1024, chunk_separator=separator)
     tok = llm.get_tokenizer()
-    texts = ["sys ", " doc a ", " doc b ", " question?"]
-    if separator != "##":
-        texts = [t.strip() for t in texts]
+    spaced = ["sys ", " doc a ", " doc b ", " question?"]
+    # The whitespace next to each separator is trimmed with it: one canonical form.
+    texts = [t.strip() for t in spaced]
     system = tok.encode(texts[0], add_special_tokens=True)
     chunks = [tok.encode(t, add_special_tokens=False) for t in texts[1:3]]
     question = tok.encode(texts[3], add_special_tokens=False)
@@ -512,7 +512,7 @@ def test_string_prompt_equals_tokenized_rag_prompt(separator, tiny, hf_model):
 
     with pytest.raises(ValueError, match="question"):
         llm.generate(separator.join([*texts[:3], "  "]), GREEDY, use_tqdm=False)
-    by_text = llm.generate(separator.join(texts), GREEDY, use_tqdm=False)[0]
+    by_text = llm.generate(separator.join(spaced), GREEDY, use_tqdm=False)[0]
     llm.check_integrity()
     assert by_text.prompt_token_ids == system + chunks[0] + chunks[1] + question
     assert (by_text.metrics.num_chunk_hits, by_text.metrics.num_chunk_misses) == (0, 2)

@@ -81,3 +81,49 @@ def test_score_tokens_are_validated(setup):
             llm.engine.add_request(prompt, score_tokens=bad)
     assert not llm.engine.has_unfinished_requests()
     llm.check_integrity()
+
+
+def test_prompt_logprobs_match_reference(setup):
+    """SamplingParams.prompt_logprobs (vLLM's): each prompt token's log-probability given the
+    tokens before it, its rank, and the k most likely there, against HF; the first token
+    (and in a RAG prompt every token up to the question's first) has none; cold, from the
+    prefix cache, chunked over steps; max_tokens=0 scores the prompt and generates nothing."""
+    llm, hf = setup
+    ids = random_prompt(30, seed=4)
+    positions, visible = causal_layout(len(ids))
+    want = reference_rows(hf, ids, positions, visible, len(ids))  # row j: token j + 1
+    for max_tokens in (2, 0, 0):  # the last run finds the prompt in the prefix cache
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=3)
+        out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+        llm.check_integrity()
+        got = out.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        for j in range(1, len(ids)):
+            row = want[j - 1]
+            actual = got[j][ids[j]]
+            assert abs(actual.logprob - float(row[ids[j]])) < TOL
+            assert actual.rank == int((row > row[ids[j]]).sum()) + 1
+            top = row.topk(3)
+            for r, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist(),
+                                            strict=True)):
+                assert got[j][t].rank == r + 1 and abs(got[j][t].logprob - lp) < TOL
+            assert set(got[j]) == set(top.indices.tolist()) | {ids[j]}
+        assert len(out.outputs[0].token_ids) == max_tokens
+        assert out.outputs[0].finish_reason == "length"
+    system, question = random_prompt(5, seed=5), random_prompt(9, seed=6)
+    chunks = [random_prompt(12, seed=7), random_prompt(8, seed=8)]
+    prompt = RAGPrompt(system=system, chunks=chunks, question=question)
+    flat = system + chunks[0] + chunks[1] + question
+    positions, visible = rag_layout(len(system), [12, 8], len(question))
+    want = reference_rows(hf, flat, positions, visible, len(question))
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    first = len(flat) - len(question) + 1
+    assert all(e is None for e in out.prompt_logprobs[:first])
+    for j in range(first, len(flat)):
+        assert set(out.prompt_logprobs[j]) == {flat[j]}  # k = 0: the actual token alone
+        assert abs(out.prompt_logprobs[j][flat[j]].logprob
+                   - float(want[j - first][flat[j]])) < TOL
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate("x", SamplingParams(prompt_logprobs=10_000), use_tqdm=False)
+    llm.check_integrity()

@@ -13,6 +13,7 @@ import pytest
 from conftest import running_server, server_integrity, server_wait_idle
 from openai import OpenAI
 
+import ragkv
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.structured.params import StructuredOutputsParams
 
@@ -25,8 +26,10 @@ DOCS_PROMPT = ("You answer from the documents. ## Bread needs flour, water and s
 
 @pytest.fixture(scope="module")
 def server():
+    # `##` prompts split into documents, as an operator asks with --chunk-separator.
     with running_server(MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes",
-                        "200000", env={"RAGKV_API_KEY": KEY}) as base:
+                        "200000", "--chunk-separator", "##",
+                        env={"RAGKV_API_KEY": KEY}) as base:
         yield base
 
 
@@ -37,7 +40,7 @@ def client(server) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(MODEL, max_model_len=MAX_MODEL_LEN)
+    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, chunk_separator="##")
 
 
 def integrity(base: str) -> dict:
@@ -189,6 +192,156 @@ def test_chat_documents_and_separators_agree(client, offline):
     assert len(plain.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
+def test_offline_chat_answers_as_the_server_does(client, offline):
+    """`LLM.chat` renders and splits a conversation as /v1/chat/completions does: the same
+    tokens, with documents, with separators, batched, and with vLLM's chat options."""
+    docs = ["Bread needs flour, water and salt.", "Rye bread is dense and dark."]
+    messages = [{"role": "system", "content": "You answer from the documents."},
+                {"role": "user", "content": "Which is denser?"}]
+    params = SamplingParams(max_tokens=10, temperature=0)
+    served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                            temperature=0, extra_body={"documents": docs})
+    out = offline.chat(messages, params, use_tqdm=False, documents=docs)[0]
+    assert out.outputs[0].text == served.choices[0].message.content
+    assert out.metrics.num_chunk_hits + out.metrics.num_chunk_misses == 2
+    # A list of conversations; text parts; the separator form of the same documents.
+    parts = [messages[0], {"role": "user", "content": [{"type": "text", "text": "Which is "},
+                                                       {"type": "text", "text": "denser?"}]}]
+    split = [messages[0], {"role": "user", "content": " ## ".join([*docs, "Which is denser?"])}]
+    outs = offline.chat([split, parts], params, use_tqdm=False)
+    assert outs[0].outputs[0].text == served.choices[0].message.content
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           temperature=0)
+    assert outs[1].outputs[0].text == plain.choices[0].message.content
+    # A template of the request's own, and no assistant header.
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    options = {"chat_template": template, "add_generation_prompt": False}
+    served = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                            temperature=0, extra_body=options)
+    out = offline.chat(messages, params, use_tqdm=False, **options)[0]
+    assert out.outputs[0].text == served.choices[0].message.content
+    assert offline.get_tokenizer().decode(out.prompt_token_ids).endswith(
+        "[user] Which is denser?\n")
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
+        offline.chat(["not a message"], params, use_tqdm=False)
+
+
+def test_separators_only_when_asked_and_documents_on_completions(server, client, offline):
+    """A request's own `chunk_separator` splits its prompt (trimmed: the spacing around it
+    does not matter); `documents` on /v1/completions are chunks before the prompt, the
+    question; either with the other, or documents with token ids, is a 400."""
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0}
+    docs = ["Bread needs flour, water and salt.", "Rye bread is dense and dark."]
+    glued = "You answer.<doc>" + "<doc>".join(docs) + "<doc>Which is denser?"
+    spaced = "You answer. <doc> " + " <doc> ".join(docs) + " <doc>  Which is denser?"
+    runs = [client.completions.create(prompt=p, extra_body={"chunk_separator": "<doc>"},
+                                      **body) for p in (glued, spaced)]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+    assert runs[0].usage.prompt_tokens == runs[1].usage.prompt_tokens
+    assert runs[1].usage.prompt_tokens_details.cached_tokens > 0  # the same chunk entries
+    want = offline.generate(RAGPrompt("You answer.", docs, "Which is denser?"),
+                            SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert runs[0].choices[0].text == want.outputs[0].text
+    # Without its separator the same text is an ordinary prompt: more tokens.
+    plain = client.completions.create(prompt=glued, **body)
+    assert plain.usage.prompt_tokens > runs[0].usage.prompt_tokens
+    by_docs = client.completions.create(prompt="Which is denser?",
+                                        extra_body={"documents": docs}, **body)
+    want = offline.generate(RAGPrompt("", docs, "Which is denser?"),
+                            SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    assert by_docs.choices[0].text == want.outputs[0].text
+    assert by_docs.usage.prompt_tokens == len(want.prompt_token_ids)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for extra, fragment in (({"documents": docs, "chunk_separator": "##"}, "not both"),
+                            ({"chunk_separator": "   "}, "chunk_separator"),
+                            ({"documents": docs, "prompt": [1, 2, 3]}, "token ids")):
+        r = httpx.post(f"{server}/v1/completions", headers=headers, timeout=30,
+                       json={**body, "prompt": "Q?", **extra})
+        _assert_openai_error(r, 400, fragment)
+    integrity(server)
+
+
+def test_prompt_logprobs_and_echo_for_log_likelihood(server, client, offline):
+    """`prompt_logprobs` (vLLM's field) returns the offline engine's prompt logprobs; the
+    lm-evaluation-harness log-likelihood request (echo, logprobs, max_tokens 0) returns the
+    prompt as text and the same numbers in OpenAI's logprobs object; echo or prompt_logprobs
+    with stream, and suffix, are 400s naming the field."""
+    prompt = "The capital of France is Paris"
+    want = offline.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    ids = want.prompt_token_ids
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for j in range(1, len(ids)):
+        assert {int(t) for t in got[j]} == set(want.prompt_logprobs[j])
+        entry = got[j][str(ids[j])]
+        assert abs(entry["logprob"] - want.prompt_logprobs[j][ids[j]].logprob) < 1e-5
+        assert entry["rank"] == want.prompt_logprobs[j][ids[j]].rank
+    ll = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True,
+                                   logprobs=1, temperature=0)
+    choice = ll.choices[0]
+    assert choice.text == prompt and ll.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+    for j in range(1, len(ids)):
+        assert abs(lp.token_logprobs[j] - want.prompt_logprobs[j][ids[j]].logprob) < 1e-5
+    # With a completion after the prompt: the prompt's tokens, then the completion's.
+    both = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True,
+                                     logprobs=1, temperature=0, extra_body={"ignore_eos": True})
+    assert both.choices[0].text.startswith(prompt)
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for extra, fragment in (({"echo": True, "stream": True}, "echo"),
+                            ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                            ({"suffix": "x"}, "suffix"),
+                            ({"prompt_logprobs": -1}, "prompt_logprobs")):
+        r = httpx.post(f"{server}/v1/completions", headers=headers, timeout=30,
+                       json={"model": MODEL, "prompt": "Q?", **extra})
+        _assert_openai_error(r, 400, fragment)
+    integrity(server)
+
+
+def test_tokenize_detokenize_and_version(server, offline):
+    """vLLM's /tokenize (a prompt or chat messages, tokenized as the engine runs them: the
+    count is the request's prompt_tokens), /detokenize and /version."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=30)
+
+    tok = offline.get_tokenizer()
+    r = post("/tokenize", model=MODEL, prompt="Hello there", return_token_strs=True).json()
+    assert r["tokens"] == tok.encode("Hello there") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and len(r["token_strs"]) == r["count"]
+    bare = post("/tokenize", prompt="Hello there", add_special_tokens=False).json()
+    assert bare["tokens"] == tok.encode("Hello there", add_special_tokens=False)
+    assert bare["token_strs"] is None
+    # A RAG prompt counts what the engine runs: separators are markup.
+    r = post("/tokenize", prompt=DOCS_PROMPT).json()
+    assert r["tokens"] == offline.engine.process_prompt(DOCS_PROMPT).token_ids
+    docs = ["Bread needs flour.", "Rye bread is dense."]
+    messages = [{"role": "user", "content": "Which is denser?"}]
+    r = post("/tokenize", messages=messages, documents=docs).json()
+    assert r["tokens"] == offline.engine.process_chat(messages, docs).token_ids
+    r = post("/tokenize", messages=messages, add_generation_prompt=False).json()
+    assert not tok.decode(r["tokens"]).endswith("assistant\n")
+    text = post("/detokenize", model=MODEL, tokens=r["tokens"]).json()["prompt"]
+    assert text == tok.decode(r["tokens"])
+    for path, body, fragment in (
+            ("/tokenize", {"prompt": "a", "messages": messages}, "exactly one"),
+            ("/tokenize", {}, "exactly one"),
+            ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
+            ("/detokenize", {"tokens": [1, 10 ** 9]}, "outside the vocabulary"),
+            ("/detokenize", {"tokens": "1 2"}, "tokens")):
+        r = post(path, **body)
+        assert r.status_code in (400, 404) and fragment in r.json()["error"]["message"], r.text
+    assert httpx.post(f"{server}/tokenize", json={"prompt": "a"}).status_code == 401
+    assert httpx.get(f"{server}/version").json()["version"] == ragkv.__version__
+
+
 def test_cached_tokens_and_chunk_hit_metrics(server, client):
     docs = [" The first document talks about rivers and boats.",
             " The second document talks about mountains and snow.",
@@ -312,7 +465,7 @@ def test_api_key_enforced(server):
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
     ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n must"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),  # 0 only scores
     ({"model": MODEL, "prompt": "system ## a document ##   "}, 400, "question"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": MODEL, "prompt": "x" * 300_000}, 413, "body"),

@@ -252,7 +252,8 @@ def _bounds(rng: random.Random) -> list[Case]:
     for chat in (False, True):
         for n in (0, -1, 10**12, 10**30):
             add(chat, f"n={n}", {"n": n})
-        for m in (0, -5, 10**9, 10**30, MAX_MODEL_LEN):  # the last: prompt + max_tokens > limit
+        # (0 is valid: the prompt is only scored.) The last: prompt + max_tokens > limit.
+        for m in (-1, -5, 10**9, 10**30, MAX_MODEL_LEN):
             add(chat, f"max_tokens={m}", {"max_tokens": m})
         for t in (-1, -1e-9, -10**30):
             add(chat, f"temperature={t}", {"temperature": t})
@@ -290,10 +291,10 @@ def _bounds(rng: random.Random) -> list[Case]:
         add(False, f"prompt: {what}", {"prompt": prompt})
     add(False, "prompt + max_tokens over max_model_len",
         {"prompt": list(range(10, 10 + MAX_MODEL_LEN - 1)), "max_tokens": 2})
-    add(False, "echo=true", {"echo": True})
+    add(False, "echo=true with stream", {"echo": True, "stream": True})
     add(False, "suffix", {"suffix": "the end"})
     # chat
-    for m in (0, -1, 10**9, MAX_MODEL_LEN):
+    for m in (-2, -1, 10**9, MAX_MODEL_LEN):
         add(True, f"max_completion_tokens={m}", {"max_completion_tokens": m, "max_tokens": 2})
     for changes in ({"logprobs": True, "top_logprobs": 21},
                     {"logprobs": True, "top_logprobs": -1},
@@ -832,7 +833,7 @@ def server():
     # a pipe nobody reads while it runs, and a traceback per failing request could fill it
     # and stall the server; a failure shows up in the answers instead.
     with running_server(MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes",
-                        str(MAX_BODY), "--log-level", "critical",
+                        str(MAX_BODY), "--log-level", "critical", "--chunk-separator", "##",
                         env={"RAGKV_API_KEY": KEY}) as base:
         yield base
 

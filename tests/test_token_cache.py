@@ -133,8 +133,8 @@ def test_threads_share_one_cache(tok):
 
 
 def test_prompts_parse_the_same_through_the_cache_and_questions_stay_out(tok):
-    rules = PromptRules(vocab_size=4096)
-    docs = [" Rivers carry boats.", " Mountains hold snow.", " Deserts have wind."]
+    rules = PromptRules(vocab_size=4096, separator="##")
+    docs = ["Rivers carry boats.", "Mountains hold snow.", "Deserts have wind."]
     counting = CountingTokenizer(tok)
     cache = TokenCache(counting, 1 << 20)
     prompts = ["You answer from documents.##" + "##".join(docs) + "##Which is cold?",
@@ -158,13 +158,13 @@ def test_engine_outputs_do_not_change_and_the_cache_can_be_turned_off():
     prompt = ("You answer from documents.## Rivers carry boats.## Mountains hold snow."
               "##Which is cold?")
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    cached = LLM("builtin:tiny")
+    cached = LLM("builtin:tiny", chunk_separator="##")
     first = cached.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     again = cached.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     stats = cached.engine.token_cache_stats()
     assert (stats.queries, stats.hits, stats.entries) == (6, 3, 3)
     cached.check_integrity()
-    off = LLM("builtin:tiny", tokenizer_cache_mb=0)
+    off = LLM("builtin:tiny", tokenizer_cache_mb=0, chunk_separator="##")
     assert off.engine.token_cache is None
     plain = off.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert first == again == plain
@@ -180,7 +180,7 @@ def test_bad_capacity_is_refused(value):
 def test_a_salt_keeps_its_own_entries(tok):
     """Like the chunk cache, the tokenizer cache is keyed by the request's cache_salt: a
     tenant's document is not answered faster for another tenant."""
-    rules = PromptRules(vocab_size=4096)
+    rules = PromptRules(vocab_size=4096, separator="##")
     counting = CountingTokenizer(tok)
     cache = TokenCache(counting, 1 << 20)
     text = "Sys## A document shared by two tenants.##Question?"

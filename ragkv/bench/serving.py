@@ -1,7 +1,8 @@
 """Serving benchmark: drive a running OpenAI-compatible server with streaming completions.
 
 The token-level workload is turned into text with a tokenizer (the documents' text has the
-separator's characters removed) and sent as `system ## doc ## ... ## question` prompts.
+separator's characters removed) and sent as `system ## doc ## ... ## question` prompts, each
+request naming its `chunk_separator` (the server splits nothing unless told).
 Requests start on a Poisson schedule at `request_rate` per second (all at once when infinite),
 at most `concurrency` in flight. Uses only the standard library as the HTTP client.
 """
@@ -126,7 +127,7 @@ def run_serving(url: str, config: WorkloadConfig, tokenizer, concurrency: int = 
             time.sleep(delay)
         body = {"model": model, "prompt": prompts[i], "max_tokens": config.output_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, "chunk_separator": "##"}
         result = stream_completion(url, body, api_key)
         with lock:
             bar.update(1)

@@ -65,6 +65,21 @@ def model_len_limit(config: EngineConfig, max_context_len: int,
     return config.max_model_len
 
 
+def kv_tokens_for_utilization(utilization: float, free: int, total: int,
+                              bytes_per_token: int) -> int:
+    """KV tokens that fit in `utilization` of a device's `total` bytes once what is in use now
+    (the loaded weights, other processes) is counted, keeping 1/16 of the rest for the steps'
+    activations and CUDA graphs."""
+    used = total - free
+    room = int(utilization * total) - used
+    tokens = room * 15 // 16 // bytes_per_token
+    if tokens < 1:
+        raise ValueError(f"gpu_memory_utilization={utilization:g} leaves no room for the KV "
+                         f"cache: {used / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB "
+                         "are in use already (the model, other processes); raise it")
+    return tokens
+
+
 def size_pool(config: EngineConfig, bytes_per_token: int, device: torch.device,
               max_len: int) -> PoolSize:
     """Pool size from kv_cache_tokens, a memory budget or the device; the chunk region takes
@@ -74,6 +89,14 @@ def size_pool(config: EngineConfig, bytes_per_token: int, device: torch.device,
         tokens = config.kv_cache_tokens
     elif config.kv_cache_memory_bytes is not None:
         tokens = config.kv_cache_memory_bytes // bytes_per_token
+    elif config.gpu_memory_utilization is not None:
+        if device.type != "cuda":
+            raise ValueError("gpu_memory_utilization sizes the KV cache from a GPU's memory; "
+                             f"this engine runs on {device.type}: give kv_cache_tokens or "
+                             "kv_cache_memory_bytes (--kv-cache-tokens, --kv-cache-memory-bytes)")
+        free, total = torch.cuda.mem_get_info(device)
+        tokens = kv_tokens_for_utilization(config.gpu_memory_utilization, free, total,
+                                           bytes_per_token)
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         tokens = int(free * DEFAULT_GPU_KV_FRACTION) // bytes_per_token

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from ..cache.chunk_key import ChunkKey, ChunkKeys
 from ..cache.kv_manager import SeqKV
-from ..config import EngineConfig
+from ..config import EngineConfig, check_separator
 from ..inputs.chat import split_chat_prompt
 from ..inputs.layout import PromptLayout
 from ..inputs.prompt import RAG_OPTIONS, ChunkedPrompt, PromptRules, max_token_chars, parse_prompt
@@ -86,16 +86,20 @@ class InputProcessor:
 
     def process_chat(self, messages: list[dict], documents: list[str] | None = None,
                      cache_salt: str | None = None, params: SamplingParams | None = None,
-                     **rag_options: object) -> ChunkedPrompt:
-        """A chat request as a prompt (`split_chat_prompt` with the model's template and the
-        engine's separator), validated like `process_prompt`; `rag_options` (RAG_OPTIONS:
-        layout and selective recompute, None for the engine's default) apply to it."""
+                     chunk_separator: str | None = None, add_generation_prompt: bool = True,
+                     chat_template: str | None = None, **rag_options: object) -> ChunkedPrompt:
+        """A chat request as a prompt (`split_chat_prompt` with `chat_template`, else the
+        model's, and `chunk_separator`, else the engine's), validated like `process_prompt`;
+        `rag_options` (RAG_OPTIONS: layout and selective recompute, None for the engine's
+        default) apply to it."""
         unknown = sorted(set(rag_options) - set(RAG_OPTIONS))
         if unknown:
             raise ValueError(f"unknown RAG option {unknown[0]!r}; known: {', '.join(RAG_OPTIONS)}")
+        check_separator(chunk_separator)
         prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
-                                      self.config.chunk_separator, cache_salt,
-                                      self.rules.max_prompt_chars, self.token_cache)
+                                      chunk_separator or self.config.chunk_separator, cache_salt,
+                                      self.rules.max_prompt_chars, self.token_cache,
+                                      add_generation_prompt, chat_template)
         return self.process_prompt(replace(prompt, **rag_options), params)
 
     def chunk_keys_of(self, prompt: object) -> tuple[ChunkKey, ...]:
@@ -151,6 +155,9 @@ class InputProcessor:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
                 num_scored_tokens=score_tokens, recompute=done.recompute,
+                # Every scorable token's next-token distribution: the prompt logprobs of the
+                # tokens after it.
+                num_prompt_logprob_tokens=scorable if params.prompt_logprobs is not None else 0,
                 matcher=(None if params.structured_outputs is None
                          else self.structured.matcher(params.structured_outputs)),
             ))
@@ -216,10 +223,11 @@ class InputProcessor:
             if outside:
                 raise ValueError(f"{name} names token {outside[0]}, outside the vocabulary "
                                  f"(ids 0 .. {vocab - 1})")
-        if params.logprobs is not None:
-            limit = min(self.config.max_logprobs, vocab)
-            if params.logprobs > limit:
-                raise ValueError(f"logprobs={params.logprobs} exceeds the limit of {limit} "
+        limit = min(self.config.max_logprobs, vocab)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name}={value} exceeds the limit of {limit} "
                                  f"(max_logprobs={self.config.max_logprobs}, vocabulary size "
                                  f"{vocab})")
 

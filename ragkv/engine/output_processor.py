@@ -51,7 +51,7 @@ class OutputProcessor:
                 include_unfinished: bool) -> list[RequestOutput]:
         """The step's logits into tokens and outputs: one per parent that finished, or with
         `include_unfinished` that got a token."""
-        logits = _keep_scores(sched, logits)
+        logits = _keep_scores(sched, logits, self.tokenizer)
         sampled = [w.request for w in sched.works if w.sample]
         touched: dict[str, None] = {}
         history = None
@@ -185,6 +185,10 @@ class OutputProcessor:
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         req.metrics.last_token_time = now
+        if req.max_tokens == 0:  # the prompt only: its logits were the point
+            req.token_ids.pop()
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+            return
         if req.logprobs is not None:
             entry = {tid: Logprob(lp, rank=r + 1) for r, (tid, lp) in
                      enumerate(zip(top[0], top[1], strict=False))}
@@ -262,30 +266,74 @@ class OutputProcessor:
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics=metrics, error=error, bad_request=bad_request,
-            score_logprobs=_scores(first),
+            score_logprobs=_scores(first), prompt_logprobs=_prompt_logprobs(first),
         )
 
 
-def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor) -> torch.Tensor:
-    """Store the log-probabilities of scored prompt tokens; the rows to sample from."""
-    if not any(w.request.num_scored_tokens for w in sched.works):
+def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor, tokenizer) -> torch.Tensor:
+    """Store the log-probabilities of scored prompt tokens and the prompt logprobs they give;
+    the rows to sample from."""
+    if not any(w.request.num_logit_tokens for w in sched.works):
         return logits  # one row per sampling work
     sample_rows: list[int] = []
     row = 0
     for w in sched.works:
         n = w.end - w.logits_from
         req = w.request
-        first = req.num_prompt_tokens - req.num_scored_tokens
+        first = req.num_prompt_tokens - req.num_logit_tokens
         lo, hi = max(w.logits_from, first), min(w.end, req.num_prompt_tokens)
-        if req.num_scored_tokens and lo < hi:
+        if req.num_logit_tokens and lo < hi:
             part = logits[row + lo - w.logits_from:row + hi - w.logits_from]
-            rows = torch.log_softmax(part.float(), dim=-1).cpu()
-            for t in range(lo, hi):  # by token: a recomputed token overwrites its row
-                req.scores[t] = rows[t - lo]
+            rows = torch.log_softmax(part.float(), dim=-1)
+            scored = req.num_prompt_tokens - req.num_scored_tokens
+            if req.num_scored_tokens:
+                kept = rows[max(scored, lo) - lo:].cpu()
+                for t in range(max(scored, lo), hi):  # a recomputed token overwrites its row
+                    req.scores[t] = kept[t - max(scored, lo)]
+            if req.num_prompt_logprob_tokens:
+                _keep_prompt_logprobs(req, rows, lo, hi, tokenizer)
         if w.sample:
             sample_rows.append(row + n - 1)
         row += n
     return logits[sample_rows]
+
+
+def _keep_prompt_logprobs(req: Request, rows: torch.Tensor, lo: int, hi: int,
+                          tokenizer) -> None:
+    """Row t - lo is the distribution of prompt token t + 1: its entry, vLLM's shape (the
+    actual token with its rank, and the k most likely), by t + 1."""
+    last = min(hi, req.num_prompt_tokens - 1)  # the row after the prompt is the sample's
+    if last <= lo:
+        return
+    rows = rows[:last - lo]
+    actual = torch.tensor(req.prompt_token_ids[lo + 1:last + 1], device=rows.device)
+    chosen = rows.gather(1, actual[:, None])[:, 0]
+    ranks = (rows > chosen[:, None]).sum(dim=1) + 1
+    k = req.params.prompt_logprobs
+    top = rows.topk(k, dim=1) if k else None
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    values, ids = (top.values.tolist(), top.indices.tolist()) if k else ([], [])
+    for i in range(last - lo):
+        entry = {tid: Logprob(lp, rank=r + 1)
+                 for r, (tid, lp) in enumerate(zip(ids[i] if k else (), values[i] if k else (),
+                                                   strict=True))}
+        token = req.prompt_token_ids[lo + 1 + i]
+        entry.setdefault(token, Logprob(chosen[i], rank=ranks[i]))
+        for tid, lp in entry.items():
+            lp.decoded_token = tokenizer.decode([tid])
+        req.prompt_logprobs[lo + 1 + i] = entry
+
+
+def _prompt_logprobs(req: Request) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's RequestOutput.prompt_logprobs: one entry per prompt token (None for the first,
+    and in a RAG prompt for every token up to the question's first), once all are in."""
+    if req.params.prompt_logprobs is None:
+        return None
+    first = req.num_prompt_tokens - req.num_prompt_logprob_tokens + 1
+    if len(req.prompt_logprobs) < req.num_prompt_tokens - first:
+        return None
+    return [req.prompt_logprobs.get(t) if t >= first else None
+            for t in range(req.num_prompt_tokens)]
 
 
 def _scores(req: Request) -> torch.Tensor | None:

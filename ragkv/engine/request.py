@@ -81,6 +81,11 @@ class Request:
     # (flat index -> [vocab] float32 on the CPU): teacher-forced scoring for `ragkv eval`.
     num_scored_tokens: int = 0
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: the last `num_prompt_logprob_tokens` prompt tokens keep
+    # the entry (the top-k and the actual token) of the prompt token after each, by that
+    # token's flat index.
+    num_prompt_logprob_tokens: int = 0
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     # Selective recompute (recompute/): the request's `RecomputeSpec` (None: off),
     # the chunk tokens it recomputes (flat indices, ascending; None until chosen, kept over
     # preemption: the choice depends only on the prompt) and how many of them have fresh KV.
@@ -114,6 +119,12 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_logit_tokens(self) -> int:
+        """The last prompt tokens whose next-token logits are kept (scores, prompt logprobs):
+        computed, never taken from the prefix cache."""
+        return max(self.num_scored_tokens, self.num_prompt_logprob_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -167,7 +167,7 @@ class Scheduler:
         prompt always computes its question, so S may match whole. Scored prompt tokens need
         their own logits, so they are never taken from the cache."""
         limit = req.layout.system_len if req.layout.is_rag else req.num_tokens - 1
-        limit = min(limit, req.num_prompt_tokens - req.num_scored_tokens)
+        limit = min(limit, req.num_prompt_tokens - req.num_logit_tokens)
         req.num_computed_tokens = self.kv.match_prefix(req.kv, req.token_ids[:limit])
 
     def _plan_works(self, req: Request, budget: int, out: SchedulerOutput,
@@ -417,8 +417,8 @@ def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]
           turns: tuple[tuple[int, int, int], ...]) -> SeqWork:
     sample = end == req.num_tokens
     logits_from = end - 1 if sample else end
-    if req.num_scored_tokens:
-        scored_from = max(start, req.num_prompt_tokens - req.num_scored_tokens)
+    if req.num_logit_tokens:
+        scored_from = max(start, req.num_prompt_tokens - req.num_logit_tokens)
         if scored_from < min(end, req.num_prompt_tokens):
             logits_from = scored_from
     return SeqWork(

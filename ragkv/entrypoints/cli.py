@@ -14,6 +14,7 @@ from ..config import (
     RECOMPUTE_METHODS,
     EngineConfig,
 )
+from .config_file import with_config_file
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -24,33 +25,81 @@ def _layer_list(text: str) -> tuple[int, ...]:
                                          f"{text!r}") from None
 
 
-def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) -> None:
+_MODEL_HELP = ("local HF directory, GGUF file, a Hugging Face id in the local HF cache "
+               "(Org/Name), smollm2-135m-instruct, or builtin:tiny / builtin:small")
+
+
+def add_model_arg(parser: argparse.ArgumentParser, default: str | None,
+                  required: bool = True) -> None:
+    """The model, as `ragkv CMD MODEL` or `ragkv CMD --model MODEL` (vLLM takes both);
+    `default` when neither is given (None and `required`: one must be). Resolved by
+    `_resolve_model`."""
+    parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                        help=f"the model: {_MODEL_HELP}"
+                             + (f" (default: {default})" if default else ""))
+    parser.add_argument("--model", default=None, help="the model, as a flag (same as MODEL)")
+    parser.set_defaults(default_model=default, model_required=required)
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """args.model from the positional MODEL or --model (the same model if both are given)."""
+    if not hasattr(args, "model_arg"):
+        return
+    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+        raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
+    args.model = args.model_arg or args.model or args.default_model
+    if args.model is None and args.model_required:
+        raise ValueError(f"no model given: ragkv {args.command} MODEL (or --model MODEL)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser,
+                    default_model: str | None = "builtin:small") -> None:
     """Engine flags, named as in vLLM, shared by every subcommand that loads a model."""
-    if model_flag:
-        parser.add_argument("--model", default="builtin:small",
-                            help="local HF directory, GGUF file, smollm2-135m-instruct, or "
-                                 "builtin:tiny / builtin:small")
-    parser.add_argument("--tokenizer", default=None)
+    add_model_arg(parser, default_model)
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory (default: the model's own)")
     parser.add_argument("--dtype", default="auto",
                         help="auto (float32 on CPU, checkpoint dtype on GPU), float32, bfloat16, "
                              "float16")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-tokens", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the engine's sampling (requests may give their own)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest sequence (prompt + output) in tokens (default: the "
+                             "model's limit, lowered to what the KV cache holds)")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="KV cache size in tokens, chunk region included (default: 85%% "
+                             "of free GPU memory, or 2 GiB on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of the GPU's memory the engine may hold (weights, "
+                             "activations, KV cache), as in vLLM; the KV cache takes what the "
+                             "loaded model leaves of it (GPU only: on CPU give "
+                             "--kv-cache-tokens or --kv-cache-memory-bytes)")
+    parser.add_argument("--max-num-seqs", type=int, default=256,
+                        help="most sequences in one engine step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="most tokens in one engine step (longer prompts are chunked)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=True)
+                        default=True, help="reuse the KV of a shared prompt prefix")
     parser.add_argument("--enable-chunk-cache", action=argparse.BooleanOptionalAction,
-                        default=True)
-    parser.add_argument("--chunk-separator", default="##", type=lambda v: v or None,
-                        help="splits prompts into system ## chunks ## question ('' = never)")
-    parser.add_argument("--chunk-cache-tokens", type=int, default=None)
-    parser.add_argument("--chunk-cache-fraction", type=float, default=0.3)
-    parser.add_argument("--max-chunk-tokens", type=int, default=4096)
-    parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error")
-    parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256")
+                        default=True,
+                        help="reuse each document's KV in any request, at any place")
+    parser.add_argument("--chunk-separator", default=None, type=lambda v: v or None,
+                        help="split text prompts (and a chat's last user message) at this "
+                             "text into system, documents and question, e.g. '##'; unset: "
+                             "never (a request may still name its own chunk_separator)")
+    parser.add_argument("--chunk-cache-tokens", type=int, default=None,
+                        help="tokens of the KV cache kept for documents (default: "
+                             "--chunk-cache-fraction of it)")
+    parser.add_argument("--chunk-cache-fraction", type=float, default=0.3,
+                        help="share of the KV cache kept for documents")
+    parser.add_argument("--max-chunk-tokens", type=int, default=4096,
+                        help="longest document in tokens (see --oversize-chunk)")
+    parser.add_argument("--oversize-chunk", choices=["error", "split"], default="error",
+                        help="a longer document is an error, or split into pieces cached on "
+                             "their own")
+    parser.add_argument("--chunk-hash-algo", choices=["sha256", "xxh3_128"], default="sha256",
+                        help="hash of chunk-cache keys")
     parser.add_argument("--tokenizer-cache-mb", type=int, default=64,
                         help="token ids of system prompts and documents sent as text, kept by "
                              "their text so each is tokenized once (MiB; 0: off)")
@@ -100,8 +149,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_flag: bool = True) ->
                         help="comma-separated layers whose K/V deviation (blend) or question "
                              "attention (query) scores chunk tokens (unset: layer 1 for blend, "
                              "13%%, 27%% and 40%% of the depth for query)")
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                        help="KV cache size in bytes (instead of --kv-cache-tokens)")
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="most log-probabilities a request may ask for per token")
     parser.add_argument("--max-n", type=int, default=128,
                         help="largest n (completions per prompt) a request may ask for")
     parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
@@ -178,7 +229,8 @@ def _serve(args: argparse.Namespace) -> int:
     from ..server.app import ServerConfig
 
     config = EngineConfig(model=args.model, **engine_kwargs(args))
-    server = ServerConfig(model_name=args.served_model_name or "", api_key=args.api_key,
+    names = args.served_model_name or [""]
+    server = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=args.api_key,
                           max_body_bytes=args.max_body_bytes,
                           body_timeout_s=args.body_timeout)
     serve(config, server, host=args.host, port=args.port, log_level=args.log_level,
@@ -306,17 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    srv.add_argument("model", help="local HF directory, GGUF file, smollm2-135m-instruct, or "
-                                 "builtin:tiny / builtin:small")
-    add_engine_args(srv, model_flag=False)
+    add_engine_args(srv, default_model=None)
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to bind (default loopback only)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None,
                      help="require 'Authorization: Bearer KEY' on /v1 (or set RAGKV_API_KEY)")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients must send (default: MODEL as given)")
-    srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="the model names clients may send; responses carry the first "
+                          "(default: MODEL as given)")
+    srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                     help="largest request body accepted (else 413)")
     srv.add_argument("--header-timeout", type=float, default=10.0,
                      help="seconds a connection may take to send a request's headers "
                           "(idle and slow clients are closed)")
@@ -326,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds an idle keep-alive connection stays open after a response")
     srv.add_argument("--limit-concurrency", type=int, default=1024,
                      help="connections/requests at once before 503s (0: no limit)")
-    srv.add_argument("--log-level", default="info")
+    srv.add_argument("--log-level", default="info",
+                     help="uvicorn's log level: critical, error, warning, info, debug")
     srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="RAG benchmark: offline modes, or a running server",
@@ -334,14 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(bench)
     bench.add_argument("--modes", default="none,prefix,chunk",
                        help="offline: comma-separated none, prefix, chunk")
-    bench.add_argument("--num-docs", type=int, default=16)
-    bench.add_argument("--doc-tokens", type=int, default=512)
-    bench.add_argument("--docs-per-request", type=int, default=4)
+    bench.add_argument("--num-docs", type=int, default=16, help="documents in the corpus")
+    bench.add_argument("--doc-tokens", type=int, default=512, help="tokens per document")
+    bench.add_argument("--docs-per-request", type=int, default=4,
+                       help="documents in each request")
     bench.add_argument("--zipf", type=float, default=1.1, help="document popularity exponent")
-    bench.add_argument("--system-tokens", type=int, default=64)
-    bench.add_argument("--question-tokens", type=int, default=32)
-    bench.add_argument("--output-tokens", type=int, default=8)
-    bench.add_argument("--num-requests", type=int, default=40)
+    bench.add_argument("--system-tokens", type=int, default=64, help="system prompt tokens")
+    bench.add_argument("--question-tokens", type=int, default=32, help="question tokens")
+    bench.add_argument("--output-tokens", type=int, default=8, help="tokens generated each")
+    bench.add_argument("--num-requests", type=int, default=40, help="requests in the run")
     bench.add_argument("--compare-hf", action="store_true",
                        help="offline: also time HF transformers prefilling the same prompts")
     bench.add_argument("--json", default=None, help="write every figure to this file")
@@ -349,26 +403,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--url", default=None,
                        help="serving mode: base URL of a running server, e.g. "
                             "http://127.0.0.1:8000")
-    bench.add_argument("--concurrency", type=int, default=8)
+    bench.add_argument("--concurrency", type=int, default=8,
+                       help="serving mode: requests in flight at most")
     bench.add_argument("--request-rate", type=float, default=float("inf"),
                        help="serving mode: requests per second (default: all at once)")
-    bench.add_argument("--api-key", default=None)
-    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--api-key", default=None, help="serving mode: the server's API key")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=_bench)
 
     demo = sub.add_parser("demo", help="RAG workload: cold vs warm TTFT, checked for exactness",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--model", default=None,
-                      help="default: smollm2-135m-instruct when installed, else builtin:small")
+    # Unset: smollm2-135m-instruct when installed, else builtin:small.
+    add_model_arg(demo, None, required=False)
     demo.add_argument("--num-requests", type=int, default=None,
                       help="default: every question twice, in different document orders")
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--max-tokens", type=int, default=24, help="answer length limit")
     demo.set_defaults(func=_demo)
 
     ev = sub.add_parser("eval", help="RAG answer quality of each mode against full prefill",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_engine_args(ev)
-    ev.set_defaults(model="smollm2-135m-instruct")
+    ev.set_defaults(default_model="smollm2-135m-instruct")
     ev.add_argument("--modes", default="full,chunk,sequential,standalone",
                     help="comma-separated eval modes (full always runs: it is the reference)")
     ev.add_argument("--num-per-task", type=int, default=80,
@@ -382,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "a time, so TTFTs hold no queueing)")
     ev.add_argument("--json", default=None, help="write the summary and every answer here")
     ev.add_argument("--plot", default=None, help="accuracy and gold likelihood as a PNG")
-    ev.add_argument("--no-progress", action="store_true")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=_eval)
 
     cal = sub.add_parser("calibrate", help="the cheapest selective recompute that keeps a "
@@ -406,8 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--output", default=None,
                      help="profile path (default: the ragkv cache directory, where engines "
                           "of this model find it)")
-    cal.add_argument("--no-progress", action="store_true")
-    cal.set_defaults(func=_calibrate, model="smollm2-135m-instruct")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cal.set_defaults(func=_calibrate, default_model="smollm2-135m-instruct")
 
     pre = sub.add_parser("precompute", help="compute a corpus's chunk KV into the chunk store",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -425,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--cache-salt", default=None,
                      help="the cache_salt the served requests will carry")
     pre.add_argument("--batch-size", type=int, default=16, help="documents per engine batch")
-    pre.add_argument("--no-progress", action="store_true")
+    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
     pre.set_defaults(func=_precompute)
 
     gen = sub.add_parser("generate", help="generate completions for prompts offline",
@@ -433,17 +488,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True,
                      help="a prompt (repeat the flag for a batch)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--presence-penalty", type=float, default=0.0)
-    gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--min-tokens", type=int, default=0)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k best (0: all)")
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens below this share of the best one's probability")
+    gen.add_argument("--sampling-seed", type=int, default=None,
+                     help="seed of this run's sampling (default: the engine's --seed)")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="OpenAI's presence penalty")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="OpenAI's frequency penalty")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="HF's repetition penalty (1: none)")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="tokens generated before a stop may end the output")
+    gen.add_argument("--ignore-eos", action="store_true",
+                     help="keep generating past the end-of-sequence token")
     shape = gen.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", default=None, metavar="SCHEMA",
                        help="the output is JSON following this JSON schema (its text, or a "
@@ -454,12 +516,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the output is one of these strings (repeat the flag)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
+    for command in sub.choices.values():  # read by `with_config_file` before parsing
+        command.add_argument("--config", metavar="FILE",
+                             help="a YAML (or JSON) file of flags, vLLM's format: keys are flag "
+                                  "names; the command line's flags win")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     try:
+        argv = with_config_file(argv, parser)
+    except ValueError as e:
+        print(f"ragkv: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    try:
+        _resolve_model(args)
         return args.func(args)
     except ValueError as e:
         print(f"ragkv: error: {e}", file=sys.stderr)

@@ -172,5 +172,7 @@ def _prompt(engine, doc: Document, system: str, prompt_format: str, cache_salt: 
     from ..inputs.prompt import RAGPrompt
 
     # Only the documents' cache entries matter: no recompute (entries do not depend on it).
-    return engine.process_prompt(RAGPrompt(system, [doc.text], _QUESTION, cache_salt=cache_salt,
-                                           recompute="none"))
+    # The parts trimmed as a separated prompt's are (split_at_separator), so `S ## doc ## Q`
+    # and `S##doc##Q` both hit.
+    return engine.process_prompt(RAGPrompt(system.rstrip(), [doc.text.strip()], _QUESTION,
+                                           cache_salt=cache_salt, recompute="none"))

@@ -3,7 +3,9 @@ cut out where they go, so any template works."""
 
 from __future__ import annotations
 
-from .prompt import ChunkedPrompt, check_text, reused_tokenizer
+import functools
+
+from .prompt import ChunkedPrompt, check_text, reused_tokenizer, split_at_separator
 from .token_cache import TokenCache
 
 # Where the documents go when a chat template is rendered; split out again afterwards.
@@ -11,13 +13,15 @@ _DOC_SENTINEL = "\u2063ragkv-documents\u2063"
 
 
 def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
-                      separator: str | None = "##", cache_salt: str | None = None,
-                      max_chars: int | None = None,
-                      cache: TokenCache | None = None) -> tuple[ChunkedPrompt, str]:
+                      separator: str | None = None, cache_salt: str | None = None,
+                      max_chars: int | None = None, cache: TokenCache | None = None,
+                      add_generation_prompt: bool = True,
+                      chat_template: str | None = None) -> tuple[ChunkedPrompt, str]:
     """Render a chat with the model's own template and cut it where the documents go.
 
-    Documents come from `documents`, or else from separators in the last user message (every
-    part before the last is a document, the last part is the question). They are placed at
+    Documents come from `documents`, or else, when a `separator` is set, from separators in
+    the last user message (every part before the last is a document, the last part is the
+    question; trimmed like a separated prompt's). They are placed at
     the start of the conversation, so that the system part S does not depend on the history:
     - with a leading system message: at the end of its content, each document after a blank
       line ("\n\n" + document); S is the rendered text up to there;
@@ -26,7 +30,9 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     Everything after the documents (the rest of the conversation, the question, the assistant
     header) is the question part. The same system message and documents therefore give the
     same S and chunks whatever the history, and the chunks are reused (`cache`: their token
-    ids by their text). Returns the prompt and the full rendered text.
+    ids by their text). `chat_template` replaces the tokenizer's; `add_generation_prompt`
+    False ends the text after the last message (no assistant header). Returns the prompt and
+    the full rendered text.
     """
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None:
@@ -45,15 +51,17 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
                          "characters fits max_model_len")
     content = messages[last_user]["content"]
     if documents is None and separator and separator in content:
-        parts = content.split(separator)
-        documents, content = parts[:-1], parts[-1]
+        head, documents, content = split_at_separator(content, separator)
+        documents = [head, *documents]
     docs = [d.strip() for d in (documents or []) if d.strip()]
     if documents is not None and not content.strip():
         raise ValueError("the question (the last user message) is empty")
     rendered_msgs = [dict(m) for m in messages]
     rendered_msgs[last_user]["content"] = content
+    render = functools.partial(_render, tokenizer, add_generation_prompt=add_generation_prompt,
+                               chat_template=chat_template)
     if not docs:
-        text = _render(tokenizer, rendered_msgs)
+        text = render(rendered_msgs)
         ids = tokenizer.encode(text, add_special_tokens=False)
         return ChunkedPrompt([], [], ids, text, cache_salt), text
     if rendered_msgs[0].get("role") == "system":
@@ -63,7 +71,7 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
         where = next(i for i, m in enumerate(rendered_msgs) if m.get("role") == "user")
         chunk_texts = [d + "\n\n" for d in docs]
         rendered_msgs[where]["content"] = _DOC_SENTINEL + rendered_msgs[where]["content"]
-    text = _render(tokenizer, rendered_msgs)
+    text = render(rendered_msgs)
     if text.count(_DOC_SENTINEL) != 1:
         raise ValueError("the chat template does not keep the messages intact")
     head, tail = text.split(_DOC_SENTINEL)
@@ -78,11 +86,14 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     return prompt, prompt.text
 
 
-def _render(tokenizer, messages: list[dict]) -> str:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("the model's tokenizer has no chat template")
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+            chat_template: str | None = None) -> str:
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the model's tokenizer has no chat template (give chat_template)")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ValueError("chat_template must be a string (a Jinja template)")
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 (a template may raise anything, e.g. on a role)
         raise ValueError(f"the chat template rejected the messages: {e}") from None

@@ -1,13 +1,17 @@
 """Prompt inputs -> a `ChunkedPrompt` of token lists (docs/rag.md: prompt parsing).
 
 Accepted inputs:
-- a string; if it contains the chunk separator it reads `system ## chunk_1 ## ... ## question`.
-  The text is split first and each part tokenized on its own (the system part with the
-  tokenizer's special tokens, chunks and question without), because splitting on separator
-  *tokens* breaks when the tokenizer merges the separator with its neighbours;
+- a string: an ordinary prompt, unless a chunk separator is set (the engine's
+  `chunk_separator`, or the prompt dict's) and occurs in it: then it reads
+  `system ## chunk_1 ## ... ## question`. The text is split first and each part tokenized on
+  its own (the system part with the tokenizer's special tokens, chunks and question without),
+  because splitting on separator *tokens* breaks when the tokenizer merges the separator with
+  its neighbours. The whitespace around each separator is trimmed (`split_at_separator`), one
+  canonical form: `S##d##Q` and `S ## d ## Q` give the same chunk tokens;
 - a `RAGPrompt(system, chunks, question)` of strings or token-id lists (lists used as given);
-- a dict: `{"prompt_token_ids": [...]}` (used as given) or `{"prompt": "..."}`, either with an
-  optional `"cache_salt"` and RAG options (`RAG_OPTIONS`).
+- a dict: `{"prompt_token_ids": [...]}` (used as given) or `{"prompt": "..."}` (with an
+  optional `"chunk_separator"`, replacing the engine's for this prompt; None: no split),
+  either with an optional `"cache_salt"` and RAG options (`RAG_OPTIONS`).
 Separators never reach the model. Empty chunks are dropped; no chunks is an ordinary prompt.
 The parts that recur across requests (system parts and chunks given as text, a chat's rendered
 head and documents) are tokenized through the engine's `TokenCache` when it has one.
@@ -23,7 +27,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
-from ..config import check_adaptive, check_layout, check_recompute
+from ..config import check_adaptive, check_layout, check_recompute, check_separator
 from ..host_ints import int64_tensor
 from .token_cache import TokenCache
 
@@ -83,7 +87,7 @@ class PromptRules:
     """How prompts are split and checked; from the engine config."""
 
     vocab_size: int
-    separator: str | None = "##"
+    separator: str | None = None
     max_chunk_tokens: int = 4096
     oversize_chunk: str = "error"  # or "split"
     # Text longer than this cannot fit max_model_len: refused before tokenizing.
@@ -124,8 +128,11 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules,
     """`cache`: token ids of system parts and chunks given as text, by their text."""
     salt = None
     layout: dict = {}
+    separator = rules.separator
     if isinstance(prompt, dict):
         salt = prompt.get("cache_salt")
+        if "chunk_separator" in prompt:  # checked whatever the prompt's form
+            check_separator(prompt["chunk_separator"])
         layout = {k: prompt[k] for k in RAG_OPTIONS if k in prompt}
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -134,13 +141,14 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules,
             return _finish(parsed, rules)
         if "prompt" not in prompt:
             raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+        separator = prompt.get("chunk_separator", separator)
         prompt = prompt["prompt"]
         if not isinstance(prompt, str):
             raise ValueError("'prompt' must be a string")
     _check_salt(salt)
     if isinstance(prompt, str):
         check_text("prompt", prompt, rules.max_prompt_chars)
-        parsed = _split_text(prompt, tokenizer, rules.separator, salt, cache)
+        parsed = _split_text(prompt, tokenizer, separator, salt, cache)
         return _finish(replace(parsed, **layout), rules)
     if isinstance(prompt, RAGPrompt):
         return _finish(_from_rag_prompt(prompt, tokenizer, rules.max_prompt_chars, cache),
@@ -159,17 +167,24 @@ def _split_text(text: str, tokenizer, separator: str | None, salt: str | None,
         raise ValueError("prompt is empty")
     if not separator or separator not in text:
         return ChunkedPrompt([], [], tokenizer.encode(text, add_special_tokens=True), text, salt)
-    parts = text.split(separator)
-    system, chunks, question = parts[0], parts[1:-1], parts[-1]
-    if not question.strip():
+    system, chunks, question = split_at_separator(text, separator)
+    if not question:
         raise ValueError("the question (the text after the last chunk separator) is empty")
     reused = reused_tokenizer(tokenizer, cache, salt)
     return ChunkedPrompt(
         system=reused(system, True),
-        chunks=[reused(c, False) for c in chunks if c.strip()],
+        chunks=[reused(c, False) for c in chunks if c],
         question=tokenizer.encode(question, add_special_tokens=False),
         text=text, cache_salt=salt,
     )
+
+
+def split_at_separator(text: str, separator: str) -> tuple[str, list[str], str]:
+    """`system sep chunk_1 sep ... sep question` as (system, chunks, question), each part
+    trimmed of the whitespace next to a separator (the system part's end, the question's
+    start, both ends of a chunk), so the spacing around separators never changes the tokens."""
+    parts = text.split(separator)
+    return parts[0].rstrip(), [p.strip() for p in parts[1:-1]], parts[-1].lstrip()
 
 
 def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,

@@ -9,6 +9,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -58,7 +59,52 @@ def resolve_model_path(model: str) -> str:
         return builtin_model_path(model)
     if model.lower() in REAL_MODELS and not os.path.exists(model):
         return _real_model_file(model.lower())
+    if not os.path.exists(model) and _HUB_ID.match(model):
+        return hf_cache_snapshot(model)
     return model
+
+
+# A Hugging Face Hub id, "Org/Name": looked up in the local HF cache (never downloaded).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hf_cache_dirs() -> list[str]:
+    """Where the Hugging Face cache keeps models, as huggingface_hub decides: $HF_HUB_CACHE,
+    else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub."""
+    env = os.environ
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(name):
+            return [env[name]]
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "huggingface")
+    return [os.path.join(home, "hub")]
+
+
+def hf_cache_snapshot(model_id: str) -> str:
+    """The local snapshot of Hub model `model_id` ("Org/Name"): the revision `refs/main`
+    names, else the newest snapshot. Offline: a model not in the cache is a clear error."""
+    org, name = model_id.split("/")
+    looked = []
+    for root in hf_cache_dirs():
+        repo = os.path.join(root, f"models--{org}--{name}")
+        looked.append(repo)
+        snapshots = os.path.join(repo, "snapshots")
+        if not os.path.isdir(snapshots):
+            continue
+        ref = os.path.join(repo, "refs", "main")
+        if os.path.isfile(ref):
+            with open(ref, encoding="utf-8") as f:
+                candidate = os.path.join(snapshots, f.read().strip())
+            if os.path.isdir(candidate):
+                return candidate
+        found = [e for e in os.scandir(snapshots) if e.is_dir()]
+        if found:
+            return max(found, key=lambda e: e.stat().st_mtime).path
+    raise ValueError(f"model {model_id!r} is not a local path, and the Hugging Face cache has no "
+                     f"snapshot of it (looked in {', '.join(looked)}); ragkv never downloads: "
+                     f"fetch it first (huggingface-cli download {model_id}) or give a local "
+                     "directory")
 
 
 def real_model_available(name: str) -> bool:

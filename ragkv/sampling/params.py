@@ -31,6 +31,10 @@ class SamplingParams:
     max_tokens: int | None = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: each prompt token's log-probability given the tokens before it, with the k most
+    # likely tokens there (RequestOutput.prompt_logprobs). In a RAG prompt, the question's
+    # tokens after its first (the chunks' KV comes from the cache, without logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # vLLM's (and OpenAI's) penalties, applied to the logits before any sampling, greedy
     # included: presence subtracts once per token already generated, frequency once per
@@ -62,8 +66,10 @@ class SamplingParams:
         if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
             raise ValueError(f"seed must be a 64-bit integer (from -2**63 to 2**64 - 1), got "
                              f"{self.seed!r}")
-        _check_int("max_tokens", self.max_tokens, minimum=1, optional=True)
+        # 0: no token is generated, the prompt only scored (prompt_logprobs; echo).
+        _check_int("max_tokens", self.max_tokens, minimum=0, optional=True)
         _check_int("logprobs", self.logprobs, minimum=0, optional=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0, optional=True)
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -17,12 +17,22 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import __version__
 from ..config import DEFAULT_MAX_BODY_BYTES
+from ..inputs.chat import split_chat_prompt
+from ..inputs.prompt import RAGPrompt, parse_prompt
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from .metrics import Metrics
-from .protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+)
+from .responses import ResponseFormatter
 
 # Deeper JSON than this is refused: no valid request nests more than a few levels.
 MAX_JSON_DEPTH = 32
@@ -30,7 +40,8 @@ MAX_JSON_DEPTH = 32
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    model_name: str
+    model_name: str  # the name responses and metrics carry
+    aliases: tuple[str, ...] = ()  # further names a request may give (--served-model-name)
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
@@ -75,10 +86,44 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
+        created = int(time.time())
         return JSONResponse({"object": "list", "data": [{
-            "id": config.model_name, "object": "model", "created": int(time.time()),
+            "id": name, "object": "model", "created": created,
             "owned_by": "ragkv", "max_model_len": engine.engine.max_model_len,
-            "recompute": engine.engine.recompute_settings()}]})
+            "recompute": engine.engine.recompute_settings()}
+            for name in (config.model_name, *config.aliases)]})
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        try:
+            body = await _parse(request, TokenizeRequest, config, engine)
+            ids = await engine.offload(_tokenize, engine, body)
+        except ErrorResponse as e:
+            return _error(e)
+        except ValueError as e:
+            return _error(ErrorResponse(400, str(e)))
+        strs = ([tokenizer.convert_ids_to_tokens(t) for t in ids] if body.return_token_strs
+                else None)
+        return JSONResponse({"count": len(ids), "max_model_len": engine.engine.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        try:
+            body = await _parse(request, DetokenizeRequest, config, engine)
+            vocab = engine.engine.model_config.vocab_size
+            bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ErrorResponse(400, f"token id {bad} is outside the vocabulary "
+                                         f"(0 .. {vocab - 1})", param="tokens")
+            text = await engine.offload(tokenizer.decode, body.tokens)
+        except ErrorResponse as e:
+            return _error(e)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -103,7 +148,10 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             params, messages = await engine.offload(_chat_request, engine, body,
                                                     structured=_constrained(body))
             prompt = await engine.prepare_chat(messages, body.documents, body.cache_salt,
-                                               params, **body.layout())
+                                               params, chunk_separator=body.chunk_separator,
+                                               add_generation_prompt=body.add_generation_prompt,
+                                               chat_template=body.chat_template,
+                                               **body.layout())
             explicit = body.max_tokens is not None or body.max_completion_tokens is not None
             _check_lengths(engine, [prompt], params, explicit)
         except ErrorResponse as e:
@@ -127,7 +175,9 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             if isinstance(e, EngineDeadError):
                 return _error(ErrorResponse(503, str(e), "server_error"))
             return _error(ErrorResponse(400, str(e)))
-        formatter = _Formatter(request_id, config.model_name, chat, params, tokenizer)
+        formatter = ResponseFormatter(request_id, config.model_name, chat, params, tokenizer,
+                                      echo=not chat and bool(body.echo),
+                                      prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(engine, streams, formatter, include_usage),
@@ -182,7 +232,7 @@ class _Guard:
                                       "exactly one")
         path = scope.get("path", "")
         key = self.config.api_key
-        if key and (path.startswith("/v1") or path.startswith("/debug")):
+        if key and path.startswith(("/v1", "/debug", "/tokenize", "/detokenize")):
             auth = headers.get(b"authorization", b"")
             if not hmac.compare_digest(auth, f"Bearer {key}".encode()):
                 return ErrorResponse(401, "invalid or missing API key", "authentication_error")
@@ -242,7 +292,8 @@ def _decode(raw: bytes, model: type[BaseModel], config: ServerConfig):
         first = e.errors()[0]
         where = str(first["loc"][0]) if first["loc"] else "body"  # not pydantic's union path
         raise ErrorResponse(400, f"invalid field {where}: {first['msg']}", param=where) from None
-    if body.model != config.model_name:
+    # `model` is optional on /tokenize and /detokenize.
+    if body.model is not None and body.model not in (config.model_name, *config.aliases):
         raise ErrorResponse(404, f"The model `{body.model}` does not exist.", param="model")
     return body
 
@@ -259,12 +310,49 @@ def _completion_request(engine: AsyncEngine, body: CompletionRequest
     """A completion request's sampling parameters (a schema compiled) and prompts, checked
     (on a worker thread: see `AsyncEngine.offload`)."""
     params = body.sampling_params()
-    if body.echo or body.suffix:
-        raise ErrorResponse(400, "echo and suffix are not supported",
-                            param="echo" if body.echo else "suffix")
+    if body.suffix:
+        raise ErrorResponse(400, "suffix is not supported", param="suffix")
+    if body.stream and (body.echo or params.prompt_logprobs is not None):
+        raise ErrorResponse(400, "echo and prompt_logprobs are not supported with stream",
+                            param="echo" if body.echo else "prompt_logprobs")
     prompts = _completion_prompts(body)
     _check_request_size(engine, len(prompts), params)
     return params, prompts
+
+
+def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
+    """The token ids the engine would run for the request's prompt or chat (on a worker
+    thread); `add_special_tokens` false: the prompt's text alone, unsplit, without them. The
+    tokenizer cache is left alone: it serves requests that run (and counts them)."""
+    if (body.prompt is None) == (body.messages is None):
+        raise ErrorResponse(400, "give exactly one of prompt and messages",
+                            param="messages" if body.messages is not None else "prompt")
+    if body.documents is not None and body.chunk_separator is not None:
+        raise ErrorResponse(400, "give documents or chunk_separator, not both",
+                            param="chunk_separator")
+    core = engine.engine
+    inputs = core.inputs
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt, _ = split_chat_prompt(
+            core.tokenizer, messages, body.documents,
+            body.chunk_separator or core.config.chunk_separator, None,
+            inputs.rules.max_prompt_chars, None, body.add_generation_prompt,
+            body.chat_template)
+        return prompt.token_ids
+    if not body.add_special_tokens:
+        if body.documents is not None or body.chunk_separator is not None:
+            raise ErrorResponse(400, "add_special_tokens=false tokenizes the text alone: "
+                                     "without documents or chunk_separator",
+                                param="add_special_tokens")
+        return core.tokenizer.encode(body.prompt, add_special_tokens=False)
+    if body.documents is not None:
+        text: object = RAGPrompt("", [d.strip() for d in body.documents], body.prompt)
+    elif body.chunk_separator is not None:
+        text = {"prompt": body.prompt, "chunk_separator": body.chunk_separator}
+    else:
+        text = body.prompt
+    return parse_prompt(text, core.tokenizer, inputs.rules).token_ids
 
 
 def _chat_request(engine: AsyncEngine, body: ChatCompletionRequest
@@ -343,7 +431,8 @@ def _check_lengths(engine: AsyncEngine, prompts: list, params: SamplingParams,
                      f"{params.max_tokens} in the completion). Please reduce the length of "
                      "the prompt or the completion.", param="max_tokens")
         left = limit - n
-        total += params.n * (min(params.max_tokens, left) if params.max_tokens else left)
+        total += params.n * (min(params.max_tokens, left) if params.max_tokens is not None
+                             else left)
     capacity = eng.kv.capacity
     if total > capacity:
         raise ErrorResponse(400, f"the request may generate {total} tokens in all (n x "
@@ -364,6 +453,22 @@ def _completion_prompts(body: CompletionRequest) -> list:
     extra = body.layout()
     if body.cache_salt is not None:
         extra["cache_salt"] = body.cache_salt
+    if body.documents is not None:
+        if body.chunk_separator is not None:
+            raise ErrorResponse(400, "give documents or chunk_separator, not both",
+                                param="chunk_separator")
+        if not all(isinstance(p, str) for p in prompts):
+            raise ErrorResponse(400, "documents need a text prompt (the question), not token "
+                                     "ids", param="documents")
+        # The documents are the chunks (trimmed, like separated ones); the prompt, after
+        # them, the question.
+        if any(not p.strip() for p in prompts):
+            raise ErrorResponse(400, "the question (the prompt after the documents) is empty",
+                                param="prompt")
+        docs = [d.strip() for d in body.documents]
+        return [RAGPrompt("", docs, p, **extra) for p in prompts]
+    if body.chunk_separator is not None:
+        extra["chunk_separator"] = body.chunk_separator
     if extra:
         prompts = [{"prompt": p, **extra} if isinstance(p, str) else {**p, **extra}
                    for p in prompts]
@@ -386,7 +491,7 @@ def _error(e: ErrorResponse) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-async def _stream(engine: AsyncEngine, streams: list, formatter: _Formatter,
+async def _stream(engine: AsyncEngine, streams: list, formatter: ResponseFormatter,
                   include_usage: bool) -> AsyncIterator[str]:
     """Merge the prompts' output streams into SSE chunks. If the client goes away the
     response is cancelled here, and every request still running is aborted."""
@@ -426,136 +531,6 @@ async def _stream(engine: AsyncEngine, streams: list, formatter: _Formatter,
         for i, (rid, _) in enumerate(streams):
             if i not in finals:
                 engine.abort(rid)
-
-
-class _Formatter:
-    """Builds OpenAI response bodies and streaming chunks from engine outputs."""
-
-    def __init__(self, request_id: str, model: str, chat: bool, params, tokenizer) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.chat = chat
-        self.params = params
-        self.tokenizer = tokenizer
-        self.n = params.n
-        self.created = int(time.time())
-        # choice index -> (characters sent, tokens sent, text_offset of the next token)
-        self._sent: dict[int, tuple[int, int, int]] = {}
-        self._done: set[int] = set()  # choices whose finish_reason was sent
-        self._hold = max((len(s) for s in params.stop), default=1) - 1
-
-    def _choice_index(self, prompt_index: int, completion_index: int) -> int:
-        return prompt_index * self.n + completion_index
-
-    def full(self, outputs: list[RequestOutput]) -> dict:
-        choices = []
-        for p, out in enumerate(outputs):
-            for c in out.outputs:
-                index = self._choice_index(p, c.index)
-                logprobs, _ = self._logprobs(c.token_ids, c.logprobs, 0)
-                choice = {"index": index, "finish_reason": c.finish_reason,
-                          "logprobs": logprobs}
-                if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
-                else:
-                    choice["text"] = c.text
-                    choice["stop_reason"] = c.stop_reason
-                choices.append(choice)
-        return {"id": self.request_id,
-                "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self._usage(outputs)}
-
-    def delta(self, prompt_index: int, out: RequestOutput) -> list[dict]:
-        chunks = []
-        for c in out.outputs:
-            index = self._choice_index(prompt_index, c.index)
-            if index in self._done:
-                continue  # finished earlier; its siblings are still running
-            first = index not in self._sent
-            chars, tokens, offset = self._sent.get(index, (0, 0, 0))
-            text = c.text
-            if c.finish_reason is None:
-                # Hold back an incomplete UTF-8 character, then what may become a stop string
-                # (counted on the complete characters only).
-                end = len(text)
-                while end > chars and text[end - 1] == "\ufffd":
-                    end -= 1
-                text = text[:max(end - self._hold, chars)]
-            new_text = text[chars:]
-            new_ids = c.token_ids[tokens:]
-            if not new_text and not first and c.finish_reason is None:
-                continue
-            logprobs, next_offset = self._logprobs(
-                new_ids, c.logprobs[tokens:] if c.logprobs is not None else None, offset)
-            self._sent[index] = (chars + len(new_text), len(c.token_ids), next_offset)
-            if c.finish_reason is not None:
-                self._done.add(index)
-            if self.chat:
-                delta = {"content": new_text}
-                if first:
-                    delta["role"] = "assistant"
-                choice = {"index": index, "delta": delta}
-            else:
-                choice = {"index": index, "text": new_text}
-            choice["logprobs"] = logprobs
-            choice["finish_reason"] = c.finish_reason
-            if not self.chat:
-                choice["stop_reason"] = c.stop_reason
-            chunks.append({"id": self.request_id,
-                           "object": "chat.completion.chunk" if self.chat else "text_completion",
-                           "created": self.created, "model": self.model, "choices": [choice]})
-        return chunks
-
-    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
-        return {"id": self.request_id,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [],
-                "usage": self._usage(outputs)}
-
-    def _usage(self, outputs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs)
-        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        cached = sum(o.num_cached_tokens for o in outputs)
-        # Chunk tokens recomputed by selective recompute (ragkv's extension of usage).
-        recomputed = sum(o.metrics.num_recomputed_tokens for o in outputs if o.metrics)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached},
-                "num_recomputed_tokens": recomputed}
-
-    def _logprobs(self, token_ids: list[int], logprobs,
-                  offset: int) -> tuple[dict | None, int]:
-        """The logprobs object of these tokens, and the text offset after them (completions'
-        `text_offset` counts from the start of the choice's text, across chunks)."""
-        if logprobs is None:
-            return None, offset
-        decode = self.tokenizer.decode
-        if self.chat:
-            content = []
-            for tid, entry in zip(token_ids, logprobs, strict=False):
-                token = decode([tid])
-                top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
-                content.append({
-                    "token": token, "logprob": entry[tid].logprob,
-                    "bytes": list(token.encode()),
-                    "top_logprobs": [
-                        {"token": decode([t]), "logprob": lp.logprob,
-                         "bytes": list(decode([t]).encode())}
-                        for t, lp in top if lp.rank and lp.rank <= self.params.logprobs
-                    ],
-                })
-            return {"content": content}, offset
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        for tid, entry in zip(token_ids, logprobs, strict=False):
-            token = decode([tid])
-            tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
-            token_logprobs.append(entry[tid].logprob)
-            tops.append({decode([t]): lp.logprob for t, lp in entry.items()})
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
-                "text_offset": offsets}, offset
 
 
 class _IntegrityGate:

@@ -66,11 +66,16 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    # vLLM's: each prompt token's log-probability and the k most likely there (SamplingParams).
+    prompt_logprobs: int | None = None
     # OpenAI's form: token ids as JSON object keys (strings).
     logit_bias: dict[str, float] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    # Splits a text prompt (or the last user message) at this text into system, documents and
+    # question, for this request (None: the server's --chunk-separator, which may be none).
+    chunk_separator: str | None = None
     # ragkv's RAG layout of this request (None: the server's default; see config.py).
     position_strategy: Literal["shared", "sequential"] | None = None
     chunk_attention: Literal["isolated", "standalone"] | None = None
@@ -154,7 +159,8 @@ class _SamplingFields(BaseModel):
         except (ValueError, TypeError) as e:
             raise ErrorResponse(400, f"{field}: {e}", param=field) from None
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling(self, max_tokens: int | None, logprobs: int | None,
+                  prompt_logprobs: int | None = None) -> SamplingParams:
         self._refuse_unsupported()
         return SamplingParams(
             n=1 if self.n is None else self.n,
@@ -164,6 +170,7 @@ class _SamplingFields(BaseModel):
             min_p=0.0 if self.min_p is None else self.min_p,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             max_tokens=max_tokens, ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens is not False,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
@@ -193,13 +200,19 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+    # Documents (reused chunks) placed before each text prompt, which is then the question.
+    documents: list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool | None = None
     suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
-        return self._sampling(self.max_tokens, self.logprobs)
+        # echo with logprobs scores the prompt too (lm-evaluation-harness's log-likelihood
+        # requests: echo, logprobs, max_tokens 0).
+        prompt = (self.logprobs if self.echo and self.logprobs is not None
+                  and self.prompt_logprobs is None else None)
+        return self._sampling(self.max_tokens, self.logprobs, prompt)
 
 
 class ChatMessage(BaseModel):
@@ -233,6 +246,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     documents: list[str] | None = None
+    # vLLM's chat options: a Jinja template in place of the model's, and whether the rendered
+    # text ends with the assistant's header.
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None  # OpenAI's legacy function calling
@@ -256,3 +273,29 @@ class ChatCompletionRequest(_SamplingFields):
             raise ErrorResponse(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         top = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling(max_tokens, top)
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion `prompt` or chat `messages` (one of the two), tokenized
+    as the engine tokenizes that request (documents and separators included)."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    documents: list[str] | None = None
+    chunk_separator: str | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model_config = _STRICT
+
+    model: str | None = None
+    tokens: list[int]

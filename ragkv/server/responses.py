@@ -1,0 +1,184 @@
+"""OpenAI response bodies and streaming chunks from engine outputs: choices, usage (with
+ragkv's `num_recomputed_tokens`), logprobs in the completions and chat shapes, completions'
+`echo`, vLLM's `prompt_logprobs`."""
+
+from __future__ import annotations
+
+import time
+
+from ..outputs import RequestOutput
+
+
+class ResponseFormatter:
+    """Builds OpenAI response bodies and streaming chunks from engine outputs."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, params, tokenizer,
+                 echo: bool = False, prompt_logprobs: bool = False) -> None:
+        """`echo`: completions' (the prompt before each choice's text); `prompt_logprobs`:
+        whether the request asked for them (each choice then carries them)."""
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.params = params
+        self.tokenizer = tokenizer
+        self.n = params.n
+        self.created = int(time.time())
+        # choice index -> (characters sent, tokens sent, text_offset of the next token)
+        self._sent: dict[int, tuple[int, int, int]] = {}
+        self._done: set[int] = set()  # choices whose finish_reason was sent
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self.echo = echo
+        self.show_prompt_logprobs = prompt_logprobs
+
+    def _echo(self, choice: dict, out: RequestOutput, c) -> None:
+        """The prompt in front of the completion, and with logprobs its tokens' in front of
+        the completion's (the first, and a RAG prompt's up to its question's first, null)."""
+        decode = self.tokenizer.decode
+        prompt = out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
+        choice["text"] = prompt + c.text
+        if choice["logprobs"] is None:
+            return
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = 0
+        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        for tid, entry in zip(out.prompt_token_ids, entries, strict=True):
+            token = decode([tid])
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            token_logprobs.append(None if entry is None else entry[tid].logprob)
+            tops.append(None if entry is None else {decode([t]): lp.logprob
+                                                    for t, lp in entry.items()})
+        generated, _ = self._logprobs(c.token_ids, c.logprobs, offset)
+        choice["logprobs"] = {
+            "tokens": tokens + generated["tokens"],
+            "token_logprobs": token_logprobs + generated["token_logprobs"],
+            "top_logprobs": tops + generated["top_logprobs"],
+            "text_offset": offsets + generated["text_offset"]}
+
+    def _choice_index(self, prompt_index: int, completion_index: int) -> int:
+        return prompt_index * self.n + completion_index
+
+    def full(self, outputs: list[RequestOutput]) -> dict:
+        choices = []
+        for p, out in enumerate(outputs):
+            for c in out.outputs:
+                index = self._choice_index(p, c.index)
+                logprobs, _ = self._logprobs(c.token_ids, c.logprobs, 0)
+                choice = {"index": index, "finish_reason": c.finish_reason,
+                          "logprobs": logprobs}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                    choice["stop_reason"] = c.stop_reason
+                    if self.echo:
+                        self._echo(choice, out, c)
+                if self.show_prompt_logprobs:
+                    choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
+                choices.append(choice)
+        return {"id": self.request_id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self._usage(outputs)}
+
+    def delta(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        chunks = []
+        for c in out.outputs:
+            index = self._choice_index(prompt_index, c.index)
+            if index in self._done:
+                continue  # finished earlier; its siblings are still running
+            first = index not in self._sent
+            chars, tokens, offset = self._sent.get(index, (0, 0, 0))
+            text = c.text
+            if c.finish_reason is None:
+                # Hold back an incomplete UTF-8 character, then what may become a stop string
+                # (counted on the complete characters only).
+                end = len(text)
+                while end > chars and text[end - 1] == "\ufffd":
+                    end -= 1
+                text = text[:max(end - self._hold, chars)]
+            new_text = text[chars:]
+            new_ids = c.token_ids[tokens:]
+            if not new_text and not first and c.finish_reason is None:
+                continue
+            logprobs, next_offset = self._logprobs(
+                new_ids, c.logprobs[tokens:] if c.logprobs is not None else None, offset)
+            self._sent[index] = (chars + len(new_text), len(c.token_ids), next_offset)
+            if c.finish_reason is not None:
+                self._done.add(index)
+            if self.chat:
+                delta = {"content": new_text}
+                if first:
+                    delta["role"] = "assistant"
+                choice = {"index": index, "delta": delta}
+            else:
+                choice = {"index": index, "text": new_text}
+            choice["logprobs"] = logprobs
+            choice["finish_reason"] = c.finish_reason
+            if not self.chat:
+                choice["stop_reason"] = c.stop_reason
+            chunks.append({"id": self.request_id,
+                           "object": "chat.completion.chunk" if self.chat else "text_completion",
+                           "created": self.created, "model": self.model, "choices": [choice]})
+        return chunks
+
+    def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
+        return {"id": self.request_id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": self._usage(outputs)}
+
+    def _usage(self, outputs: list[RequestOutput]) -> dict:
+        prompt = sum(len(o.prompt_token_ids) for o in outputs)
+        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outputs)
+        # Chunk tokens recomputed by selective recompute (ragkv's extension of usage).
+        recomputed = sum(o.metrics.num_recomputed_tokens for o in outputs if o.metrics)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "num_recomputed_tokens": recomputed}
+
+    def _logprobs(self, token_ids: list[int], logprobs,
+                  offset: int) -> tuple[dict | None, int]:
+        """The logprobs object of these tokens, and the text offset after them (completions'
+        `text_offset` counts from the start of the choice's text, across chunks)."""
+        if logprobs is None:
+            return None, offset
+        decode = self.tokenizer.decode
+        if self.chat:
+            content = []
+            for tid, entry in zip(token_ids, logprobs, strict=False):
+                token = decode([tid])
+                top = sorted(entry.items(), key=lambda kv: kv[1].rank or 0)
+                content.append({
+                    "token": token, "logprob": entry[tid].logprob,
+                    "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": decode([t]), "logprob": lp.logprob,
+                         "bytes": list(decode([t]).encode())}
+                        for t, lp in top if lp.rank and lp.rank <= self.params.logprobs
+                    ],
+                })
+            return {"content": content}, offset
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for tid, entry in zip(token_ids, logprobs, strict=False):
+            token = decode([tid])
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            token_logprobs.append(entry[tid].logprob)
+            tops.append({decode([t]): lp.logprob for t, lp in entry.items()})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
+                "text_offset": offsets}, offset
+
+
+def _prompt_logprobs_json(entries: list | None) -> list | None:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token, null or {token id: {logprob,
+    rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
