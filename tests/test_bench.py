@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import subprocess
 import sys
 
@@ -194,3 +195,13 @@ def test_eval_bench_script(tmp_path):
     assert res["questions"] == 3 and res["answers"] == 9 and res["requests"] == 18
     assert res["same_answers"] == 9
     assert res["one_at_a_time_s"] > 0 and res["batch_3_s"] > 0 and res["speedup"] > 0
+
+
+def test_vllm_surface_script_passes():
+    """benchmarks/vllm_surface.py (a live server from a --config file, the openai client, one
+    check per row of the vLLM surface) passes on builtin:tiny."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "vllm_surface.py")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("PASS") == 9 and "every check passed" in r.stdout

@@ -64,6 +64,31 @@ def test_models_and_health(server, client):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_served_model_names_and_vllm_metric_names():
+    """--served-model-name with several names: /v1/models lists each, a request may give any,
+    responses carry the first; --vllm-metric-names publishes vLLM's series under `vllm:` with
+    the same values as ragkv's (a dashboard built for vLLM reads them)."""
+    with running_server(MODEL, "--served-model-name", "tiny", "alias",
+                        "--vllm-metric-names") as base:
+        http = httpx.Client(base_url=base, timeout=30)
+        assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "alias"]
+        r = http.post("/v1/completions", json={"model": "alias", "prompt": "Hello",
+                                               "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello"}
+                         ).status_code == 404
+        text = http.get("/metrics").text
+        for name in ("prompt_tokens_total", "generation_tokens_total",
+                     "time_to_first_token_seconds_count", "num_requests_running",
+                     "kv_cache_usage_perc"):
+            ours = re.search(rf"^ragkv:{name}{{[^}}]*}} (\S+)$", text, re.M)
+            theirs = re.search(rf"^vllm:{name}{{[^}}]*}} (\S+)$", text, re.M)
+            assert ours and theirs and ours.group(1) == theirs.group(1), name
+        assert "vllm:chunk_cache_hits" not in text  # ragkv's own series stay ragkv's
+    with running_server(MODEL) as base:  # without the flag: ragkv's names only
+        assert "vllm:" not in httpx.get(f"{base}/metrics", timeout=10).text
+
+
 def test_completion_equals_offline_engine(client, offline):
     for prompt in ("Once upon a time", DOCS_PROMPT):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)

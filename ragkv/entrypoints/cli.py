@@ -231,6 +231,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = EngineConfig(model=args.model, **engine_kwargs(args))
     names = args.served_model_name or [""]
     server = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=args.api_key,
+                          vllm_metric_names=args.vllm_metric_names,
                           max_body_bytes=args.max_body_bytes,
                           body_timeout_s=args.body_timeout)
     serve(config, server, host=args.host, port=args.port, log_level=args.log_level,
@@ -367,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="the model names clients may send; responses carry the first "
                           "(default: MODEL as given)")
+    srv.add_argument("--vllm-metric-names", action="store_true",
+                     help="/metrics also publishes the series vLLM has under vLLM's names "
+                          "(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), "
+                          "so dashboards built for vLLM work")
     srv.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                      help="largest request body accepted (else 413)")
     srv.add_argument("--header-timeout", type=float, default=10.0,

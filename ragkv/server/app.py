@@ -42,6 +42,7 @@ MAX_JSON_DEPTH = 32
 class ServerConfig:
     model_name: str  # the name responses and metrics carry
     aliases: tuple[str, ...] = ()  # further names a request may give (--served-model-name)
+    vllm_metric_names: bool = False  # /metrics: vLLM's series under `vllm:` too
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)

@@ -25,8 +25,20 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+# The series vLLM also publishes, by name after the prefix: with `vllm_names` each is
+# published under `vllm:` as well, so dashboards built for vLLM show ragkv's figures.
+VLLM_SERIES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
+    "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
+    "e2e_request_latency_seconds", "request_queue_time_seconds", "request_success",
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits"})
+_SUFFIXES = ("_total", "_created", "_bucket", "_count", "_sum")
+
+
 class Metrics:
-    def __init__(self, model_name: str, chunk_store: TieredChunkStore | None = None) -> None:
+    def __init__(self, model_name: str, chunk_store: TieredChunkStore | None = None,
+                 vllm_names: bool = False) -> None:
+        self.vllm_names = vllm_names
         self.registry = CollectorRegistry()
         if chunk_store is not None:
             self.registry.register(_ChunkStoreCollector(model_name, chunk_store))
@@ -139,6 +151,8 @@ class Metrics:
                     else:
                         for _ in range(new):
                             self.itl.observe((now - last) / new)
+                elif seen == 0 and out.finished and completion.index == 0:
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))  # max_tokens 0: scored
                 if out.finished:
                     self._progress.pop(key, None)
                     self._success.labels(self._model_name, completion.finish_reason).inc()
@@ -154,7 +168,14 @@ class Metrics:
                     self.preemptions.inc(m.num_preemptions)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        if not self.vllm_names:
+            return text
+        # The same samples again under vLLM's names (HELP, TYPE and sample lines alike).
+        extra = [b"vllm:" + line[len(b"ragkv:"):] if line.startswith(b"ragkv:")
+                 else line.replace(b" ragkv:", b" vllm:", 1)
+                 for line in text.splitlines() if _vllm_series(line)]
+        return text + b"\n".join(extra) + (b"\n" if extra else b"")
 
     def _advance(self, counter, key: str, total: float) -> None:
         delta = total - self._totals.get(key, 0)
@@ -223,3 +244,18 @@ class _ChunkStoreCollector:
             labels=["model_name"])
         dropped.add_metric([self.model_name], self.store.dropped_writes)
         yield dropped
+
+
+def _vllm_series(line: bytes) -> bool:
+    """Whether an exposition line belongs to a series in VLLM_SERIES."""
+    if line.startswith((b"# HELP ragkv:", b"# TYPE ragkv:")):
+        name = line.split(b" ")[2]
+    elif line.startswith(b"ragkv:"):
+        name = line.split(b"{")[0].split(b" ")[0]
+    else:
+        return False
+    name = name[len(b"ragkv:"):].decode()
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix) and name[:-len(suffix)] in VLLM_SERIES:
+            return True
+    return name in VLLM_SERIES

@@ -31,7 +31,7 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     server = replace(server, model_name=server.model_name or config.model,
                      api_key=server.api_key or os.environ.get("RAGKV_API_KEY") or None)
     engine = Engine(config)
-    metrics = Metrics(server.model_name, engine.chunk_store)
+    metrics = Metrics(server.model_name, engine.chunk_store, server.vllm_metric_names)
     http: list = []  # the uvicorn server, once built
 
     def stop_serving(error: BaseException) -> None:
