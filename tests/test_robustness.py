@@ -16,8 +16,8 @@ from conftest import random_prompt
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.outputs import CompletionOutput, RequestOutput
 from ragkv.sampling.detokenizer import IncrementalDetokenizer
-from ragkv.server.app import _Formatter
 from ragkv.server.async_engine import AsyncEngine
+from ragkv.server.responses import ResponseFormatter
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SYSTEM = "You answer from the documents."
@@ -468,7 +468,7 @@ def _output(text: str, ids: list[int], finish: str | None = None,
 def test_stream_holds_back_a_stop_string_behind_an_incomplete_character(llm):
     """Regression: the stop-string hold-back was counted before trailing U+FFFD were
     stripped, so with a multi-byte stop string its first character leaked into the stream."""
-    fmt = _Formatter("id", "m", False, SamplingParams(stop=["日本"]), llm.get_tokenizer())
+    fmt = ResponseFormatter("id", "m", False, SamplingParams(stop=["日本"]), llm.get_tokenizer())
     sent = ""
     for text, ids, finish in (("abc", [1], None), ("abc日\ufffd", [1, 2], None),
                               ("abc", [1, 2, 3], "stop")):
@@ -480,7 +480,7 @@ def test_stream_holds_back_a_stop_string_behind_an_incomplete_character(llm):
 def test_stream_sends_each_choice_finish_reason_once():
     """Regression: with n>1 a finished choice re-sent its finish_reason chunk every step
     while its siblings ran."""
-    fmt = _Formatter("id", "m", True, SamplingParams(n=2), None)
+    fmt = ResponseFormatter("id", "m", True, SamplingParams(n=2), None)
     finishes = []
     for step in range(5):
         first = CompletionOutput(0, "a", [1], None, None, "stop")
@@ -501,7 +501,7 @@ def test_stream_text_offset_counts_from_the_start_of_the_text(llm):
     tok = llm.get_tokenizer()
     ids = tok.encode("one two three four", add_special_tokens=False)
     entries = [{t: Logprob(-0.5, rank=1)} for t in ids]
-    fmt = _Formatter("id", "m", False, SamplingParams(logprobs=1), tok)
+    fmt = ResponseFormatter("id", "m", False, SamplingParams(logprobs=1), tok)
     offsets = []
     for n in range(1, len(ids) + 1):
         text = tok.decode(ids[:n])
