@@ -233,29 +233,53 @@ def test_model_as_argument_or_flag_on_every_command(monkeypatch, capsys):
 
 
 def test_config_file_gives_flags_the_command_line_overrides(tmp_path, monkeypatch, capsys):
-    """--config FILE (vLLM's YAML: keys are flag names, either spelling): true is the flag,
-    false its --no- form, a list the values; the command line wins; an unknown key is an
-    error naming it."""
+    """--config FILE (vLLM's YAML: keys are flag names, either spelling) gives the command's
+    defaults: a switch takes true or false, a flag of several values (or a repeatable one) a
+    list, a value may start with a dash; the command line (its MODEL too) wins. An unknown
+    key, a null, a list for a one-value flag, a second or abbreviated --config are errors."""
     from ragkv.entrypoints import cli
 
     got = []
     monkeypatch.setattr(cli, "_serve", lambda args: got.append(args) or 0)
+    monkeypatch.setattr(cli, "_generate", lambda args: got.append(args) or 0)
     config = tmp_path / "serve.yaml"
-    config.write_text("model: builtin:tiny\nmax-model-len: 512\nport: 9001\n"
-                      "enable_prefix_caching: false\nserved-model-name: [a, b]\n"
-                      "chunk-separator: '##'\n")
-    assert cli.main(["serve", "--config", str(config), "--port", "9002"]) == 0
+
+    def run(text: str, *argv: str) -> int:
+        config.write_text(text)
+        return cli.main([*argv[:1], "--config", str(config), *argv[1:]])
+
+    assert run("model: builtin:tiny\nmax-model-len: 512\nport: 9001\n"
+               "enable_prefix_caching: false\nserved-model-name: [a, b]\n"
+               "chunk-separator: '##'\nvllm-metric-names: false\n", "serve", "--port", "9002") == 0
     args = got[-1]
     assert (args.model, args.max_model_len, args.port, args.enable_prefix_caching,
-            args.served_model_name, args.chunk_separator) == (
-        "builtin:tiny", 512, 9002, False, ["a", "b"], "##")
-    config.write_text("model: builtin:tiny\nprompt: [one, two]\n")
-    gen = []
-    monkeypatch.setattr(cli, "_generate", lambda args: gen.append(args.prompt) or 0)
-    assert cli.main(["generate", f"--config={config}"]) == 0 and gen == [["one", "two"]]
-    config.write_text("bogus-flag: 1\n")
-    assert cli.main(["serve", "--config", str(config)]) == 2
-    assert "'bogus-flag' is not a flag" in capsys.readouterr().err
+            args.served_model_name, args.chunk_separator, args.vllm_metric_names) == (
+        "builtin:tiny", 512, 9002, False, ["a", "b"], "##", False)
+    # One name for a flag of several, the command line's MODEL over the file's, a dash value.
+    assert run("model: builtin:small\nserved-model-name: foo\nchunk-separator: '--'\n"
+               "recompute-check-layers: '1,2'\n", "serve", "builtin:tiny") == 0
+    args = got[-1]
+    assert (args.model, args.served_model_name, args.chunk_separator,
+            args.recompute_check_layers) == ("builtin:tiny", ["foo"], "--", (1, 2))
+    assert run("prompt: [one, two]\nmax-tokens: 3\n", "generate") == 0  # --prompt required
+    assert (got[-1].prompt, got[-1].max_tokens) == (["one", "two"], 3)
+    capsys.readouterr()
+    for text, argv, fragment in (
+            ("bogus-flag: 1\n", ("serve", "m"), "'bogus-flag' is not a flag"),
+            ("chunk-separator: ##\n", ("serve", "m"), "has no value"),
+            ("recompute-check-layers: [1, 2]\n", ("serve", "m"), "takes one value"),
+            ("enforce-eager: yes please\n", ("serve", "m"), "give true or false"),
+            ("port: many\n", ("serve", "m"), "port"),
+            ("dtype: [a\n", ("serve", "m"), "not valid YAML")):
+        assert run(text, *argv) == 2, text
+        assert fragment in capsys.readouterr().err, text
+    config.write_text("port: 1\n")
+    assert cli.main(["serve", "m", "--config", str(config), "--config", str(config)]) == 2
+    assert "more than once" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse refuses a bare --conf without its value
+        cli.main(["serve", "m", "--conf"])
+    assert cli.main(["serve", "m", "--conf", str(config)]) == 2
+    assert "spell out --config" in capsys.readouterr().err
     assert cli.main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
 
 

@@ -127,3 +127,20 @@ def test_prompt_logprobs_match_reference(setup):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate("x", SamplingParams(prompt_logprobs=10_000), use_tqdm=False)
     llm.check_integrity()
+
+
+def test_prompt_logprobs_with_several_samples(setup):
+    """n samples of one prompt: its prompt logprobs once, the same as with one sample."""
+    llm, _ = setup
+    ids = random_prompt(12, seed=9)
+    one = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    many = llm.generate({"prompt_token_ids": ids},
+                        SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1,
+                                       prompt_logprobs=1), use_tqdm=False)[0]
+    llm.check_integrity()
+    assert len(many.outputs) == 3 and len(many.prompt_logprobs) == len(ids)
+    for a, b in zip(one.prompt_logprobs[1:], many.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < TOL for t in a)

@@ -26,9 +26,10 @@ DOCS_PROMPT = ("You answer from the documents. ## Bread needs flour, water and s
 
 @pytest.fixture(scope="module")
 def server():
-    # `##` prompts split into documents, as an operator asks with --chunk-separator.
+    # `##` prompts split into documents, as an operator asks with --chunk-separator; the
+    # clients are trusted with their own chat templates.
     with running_server(MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes",
-                        "200000", "--chunk-separator", "##",
+                        "200000", "--chunk-separator", "##", "--trust-request-chat-template",
                         env={"RAGKV_API_KEY": KEY}) as base:
         yield base
 
@@ -85,6 +86,11 @@ def test_served_model_names_and_vllm_metric_names():
             theirs = re.search(rf"^vllm:{name}{{[^}}]*}} (\S+)$", text, re.M)
             assert ours and theirs and ours.group(1) == theirs.group(1), name
         assert "vllm:chunk_cache_hits" not in text  # ragkv's own series stay ragkv's
+        # Without --trust-request-chat-template a request's own template is refused.
+        r = http.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+            "chat_template": "{{ messages[0].content }}"})
+        _assert_openai_error(r, 400, "--trust-request-chat-template")
     with running_server(MODEL) as base:  # without the flag: ragkv's names only
         assert "vllm:" not in httpx.get(f"{base}/metrics", timeout=10).text
 
@@ -318,13 +324,26 @@ def test_prompt_logprobs_and_echo_for_log_likelihood(server, client, offline):
                                      logprobs=1, temperature=0, extra_body={"ignore_eos": True})
     assert both.choices[0].text.startswith(prompt)
     assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    # Chat: vLLM puts them at the top of the response (one prompt).
+    messages = [{"role": "user", "content": "Which is denser?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    want = offline.chat(messages, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)[0]
+    got = chat.model_extra["prompt_logprobs"]
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    assert [None if e is None else {int(t) for t in e} for e in got] == [
+        None if e is None else set(e) for e in want.prompt_logprobs]
     headers = {"Authorization": f"Bearer {KEY}"}
-    for extra, fragment in (({"echo": True, "stream": True}, "echo"),
-                            ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-                            ({"suffix": "x"}, "suffix"),
-                            ({"prompt_logprobs": -1}, "prompt_logprobs")):
-        r = httpx.post(f"{server}/v1/completions", headers=headers, timeout=30,
-                       json={"model": MODEL, "prompt": "Q?", **extra})
+    for endpoint, extra, fragment in (
+            ("completions", {"echo": True, "stream": True}, "echo"),
+            ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+            ("chat/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+            ("completions", {"suffix": "x"}, "suffix"),
+            ("completions", {"prompt_logprobs": -1}, "prompt_logprobs")):
+        body = ({"messages": messages} if endpoint.startswith("chat") else {"prompt": "Q?"})
+        r = httpx.post(f"{server}/v1/{endpoint}", headers=headers, timeout=30,
+                       json={"model": MODEL, **body, **extra})
         _assert_openai_error(r, 400, fragment)
     integrity(server)
 

@@ -91,7 +91,12 @@ def stream_completion(url: str, body: dict, api_key: str | None,
     return result
 
 
-def workload_prompts(requests: list[BenchRequest], tokenizer, separator: str = "##") -> list[str]:
+# The separator the prompts are written with, sent with each request.
+SEPARATOR = "##"
+
+
+def workload_prompts(requests: list[BenchRequest], tokenizer,
+                     separator: str = SEPARATOR) -> list[str]:
     def text(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=True).replace(separator, " ")
 
@@ -127,7 +132,7 @@ def run_serving(url: str, config: WorkloadConfig, tokenizer, concurrency: int = 
             time.sleep(delay)
         body = {"model": model, "prompt": prompts[i], "max_tokens": config.output_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}, "chunk_separator": "##"}
+                "stream_options": {"include_usage": True}, "chunk_separator": SEPARATOR}
         result = stream_completion(url, body, api_key)
         with lock:
             bar.update(1)

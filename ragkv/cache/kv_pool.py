@@ -94,6 +94,7 @@ def size_pool(config: EngineConfig, bytes_per_token: int, device: torch.device,
             raise ValueError("gpu_memory_utilization sizes the KV cache from a GPU's memory; "
                              f"this engine runs on {device.type}: give kv_cache_tokens or "
                              "kv_cache_memory_bytes (--kv-cache-tokens, --kv-cache-memory-bytes)")
+        torch.cuda.empty_cache()  # blocks the allocator kept from loading are not in use
         free, total = torch.cuda.mem_get_info(device)
         tokens = kv_tokens_for_utilization(config.gpu_memory_utilization, free, total,
                                            bytes_per_token)

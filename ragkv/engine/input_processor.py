@@ -156,8 +156,9 @@ class InputProcessor:
                                                    start=len(token_ids)),
                 num_scored_tokens=score_tokens, recompute=done.recompute,
                 # Every scorable token's next-token distribution: the prompt logprobs of the
-                # tokens after it.
-                num_prompt_logprob_tokens=scorable if params.prompt_logprobs is not None else 0,
+                # tokens after it, kept by the first sample (the output reads it there).
+                num_prompt_logprob_tokens=(scorable if params.prompt_logprobs is not None
+                                           and i == 0 else 0),
                 matcher=(None if params.structured_outputs is None
                          else self.structured.matcher(params.structured_outputs)),
             ))

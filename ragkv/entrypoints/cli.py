@@ -14,7 +14,7 @@ from ..config import (
     RECOMPUTE_METHODS,
     EngineConfig,
 )
-from .config_file import with_config_file
+from .config_file import apply_config_file
 
 
 def _layer_list(text: str) -> tuple[int, ...]:
@@ -232,6 +232,7 @@ def _serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [""]
     server = ServerConfig(model_name=names[0], aliases=tuple(names[1:]), api_key=args.api_key,
                           vllm_metric_names=args.vllm_metric_names,
+                          trust_request_chat_template=args.trust_request_chat_template,
                           max_body_bytes=args.max_body_bytes,
                           body_timeout_s=args.body_timeout)
     serve(config, server, host=args.host, port=args.port, log_level=args.log_level,
@@ -364,10 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="address to bind (default loopback only)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", default=None,
-                     help="require 'Authorization: Bearer KEY' on /v1 (or set RAGKV_API_KEY)")
+                     help="require 'Authorization: Bearer KEY' on /v1, /tokenize, "
+                          "/detokenize and /debug (or set RAGKV_API_KEY)")
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="the model names clients may send; responses carry the first "
                           "(default: MODEL as given)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="render a chat request's own chat_template (Jinja runs on the "
+                          "server: only for clients you trust); else such a request is a 400")
     srv.add_argument("--vllm-metric-names", action="store_true",
                      help="/metrics also publishes the series vLLM has under vLLM's names "
                           "(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), "
@@ -521,7 +526,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the output is one of these strings (repeat the flag)")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
     gen.set_defaults(func=_generate)
-    for command in sub.choices.values():  # read by `with_config_file` before parsing
+    for command in sub.choices.values():  # read by `apply_config_file` before parsing
         command.add_argument("--config", metavar="FILE",
                              help="a YAML (or JSON) file of flags, vLLM's format: keys are flag "
                                   "names; the command line's flags win")
@@ -532,11 +537,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        argv = with_config_file(argv, parser)
+        argv = apply_config_file(argv, parser)
     except ValueError as e:
         print(f"ragkv: error: {e}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    if getattr(args, "config", None) is not None:  # an abbreviation argparse matched
+        print("ragkv: error: spell out --config, once", file=sys.stderr)
+        return 2
     try:
         _resolve_model(args)
         return args.func(args)

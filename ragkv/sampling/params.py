@@ -95,6 +95,9 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise ValueError(f"repetition_penalty must be a number in [{low:g}, {high:g}] "
                              f"(1: none), got {self.repetition_penalty!r}")
+        if self.structured_outputs is not None and self.max_tokens == 0:
+            raise ValueError("max_tokens=0 generates nothing for structured_outputs to "
+                             "constrain")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
-from ..config import DEFAULT_MAX_BODY_BYTES
+from ..config import DEFAULT_MAX_BODY_BYTES, check_separator
 from ..inputs.chat import split_chat_prompt
 from ..inputs.prompt import RAGPrompt, parse_prompt
 from ..outputs import RequestOutput
@@ -43,6 +43,7 @@ class ServerConfig:
     model_name: str  # the name responses and metrics carry
     aliases: tuple[str, ...] = ()  # further names a request may give (--served-model-name)
     vllm_metric_names: bool = False  # /metrics: vLLM's series under `vllm:` too
+    trust_request_chat_template: bool = False  # a request's `chat_template` is rendered
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_timeout_s: float = 30.0  # a request body must arrive within this (else 408)
@@ -102,6 +103,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
     async def tokenize(request: Request) -> JSONResponse:
         try:
             body = await _parse(request, TokenizeRequest, config, engine)
+            _check_template(config, body.chat_template)
             ids = await engine.offload(_tokenize, engine, body)
         except ErrorResponse as e:
             return _error(e)
@@ -146,6 +148,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
     async def chat_completions(request: Request):
         try:
             body = await _parse(request, ChatCompletionRequest, config, engine)
+            _check_template(config, body.chat_template)
             params, messages = await engine.offload(_chat_request, engine, body,
                                                     structured=_constrained(body))
             prompt = await engine.prepare_chat(messages, body.documents, body.cache_salt,
@@ -313,12 +316,26 @@ def _completion_request(engine: AsyncEngine, body: CompletionRequest
     params = body.sampling_params()
     if body.suffix:
         raise ErrorResponse(400, "suffix is not supported", param="suffix")
-    if body.stream and (body.echo or params.prompt_logprobs is not None):
-        raise ErrorResponse(400, "echo and prompt_logprobs are not supported with stream",
-                            param="echo" if body.echo else "prompt_logprobs")
+    _check_not_streamed(body, params)
     prompts = _completion_prompts(body)
     _check_request_size(engine, len(prompts), params)
     return params, prompts
+
+
+def _check_not_streamed(body, params: SamplingParams) -> None:
+    """Echo and prompt logprobs come whole in a response body, not in stream chunks."""
+    echo = bool(getattr(body, "echo", False))
+    if body.stream and (echo or params.prompt_logprobs is not None):
+        raise ErrorResponse(400, "echo and prompt_logprobs are not supported with stream",
+                            param="echo" if echo else "prompt_logprobs")
+
+
+def _check_template(config: ServerConfig, template: str | None) -> None:
+    """A request's own chat template runs Jinja on the server (loops of any length): only
+    where the operator trusts clients with it (vLLM's --trust-request-chat-template)."""
+    if template is not None and not config.trust_request_chat_template:
+        raise ErrorResponse(400, "chat_template in a request needs a server started with "
+                                 "--trust-request-chat-template", param="chat_template")
 
 
 def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
@@ -331,6 +348,7 @@ def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
     if body.documents is not None and body.chunk_separator is not None:
         raise ErrorResponse(400, "give documents or chunk_separator, not both",
                             param="chunk_separator")
+    check_separator(body.chunk_separator)
     core = engine.engine
     inputs = core.inputs
     if body.messages is not None:
@@ -360,6 +378,7 @@ def _chat_request(engine: AsyncEngine, body: ChatCompletionRequest
                   ) -> tuple[SamplingParams, list[dict]]:
     """A chat request's sampling parameters and messages, checked (on a worker thread)."""
     params = body.sampling_params()
+    _check_not_streamed(body, params)
     _check_request_size(engine, 1, params)
     return params, [{"role": m.role, "content": m.text()} for m in body.messages]
 

@@ -76,7 +76,7 @@ class Metrics:
             "Tokenizer-cache lookups answered without running the tokenizer.")
         self.prompt_tokens = counter("ragkv:prompt_tokens",
                                      "Prompt tokens processed (counted at a request's first "
-                                     "token).")
+                                     "token, or its end when it generates none).")
         self.generation_tokens = counter("ragkv:generation_tokens", "Generated tokens.")
         self.chunk_cache_usage = gauge("ragkv:chunk_cache_usage_perc",
                                        "Fraction of the chunk-cache region in use (0-1).")
@@ -151,8 +151,10 @@ class Metrics:
                     else:
                         for _ in range(new):
                             self.itl.observe((now - last) / new)
-                elif seen == 0 and out.finished and completion.index == 0:
-                    self.prompt_tokens.inc(len(out.prompt_token_ids))  # max_tokens 0: scored
+                elif (seen == 0 and out.finished and completion.index == 0
+                      and completion.finish_reason == "length"):
+                    # max_tokens 0: the prompt was scored, nothing generated.
+                    self.prompt_tokens.inc(len(out.prompt_token_ids))
                 if out.finished:
                     self._progress.pop(key, None)
                     self._success.labels(self._model_name, completion.finish_reason).inc()

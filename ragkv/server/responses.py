@@ -74,13 +74,16 @@ class ResponseFormatter:
                     choice["stop_reason"] = c.stop_reason
                     if self.echo:
                         self._echo(choice, out, c)
-                if self.show_prompt_logprobs:
+                if self.show_prompt_logprobs and not self.chat:  # vLLM: per choice
                     choice["prompt_logprobs"] = _prompt_logprobs_json(out.prompt_logprobs)
                 choices.append(choice)
-        return {"id": self.request_id,
+        body = {"id": self.request_id,
                 "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
                 "usage": self._usage(outputs)}
+        if self.show_prompt_logprobs and self.chat:  # vLLM: the response's, one prompt
+            body["prompt_logprobs"] = _prompt_logprobs_json(outputs[0].prompt_logprobs)
+        return body
 
     def delta(self, prompt_index: int, out: RequestOutput) -> list[dict]:
         chunks = []
