@@ -107,7 +107,10 @@ def main() -> None:
     for method, ratio in points:
         t = statistics.median(times[(method, ratio)])
         probe = method if method in ("blend", "query") and 0 < ratio < 1 else None
-        bound = f_full / recompute_flops(mc, s, [length] * n, q, ratio, probe,
+        # The tokens it did recompute (sink alone takes ceil(r * len) of each chunk after the
+        # first, fewer than r of them all).
+        share = recomputed[(method, ratio)] / (n * length)
+        bound = f_full / recompute_flops(mc, s, [length] * n, q, share, probe,
                                          max(check_layers[method]) + 1)
         row = {"method": method, "ratio": ratio,
                "check_layers": check_layers[method] if method != "sink" else None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -38,6 +39,15 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.device = device
         self._parents: dict[str, list[Request]] = {}
+        # Each token id's text, decoded once: prompt logprobs name (k + 1) tokens per prompt
+        # token on the engine thread, and the same ids recur (at most the vocabulary).
+        self._token_text: dict[int, str] = {}
+
+    def token_text(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
 
     def add(self, requests: list[Request]) -> None:
         """Keep one prompt's samples (a new parent id)."""
@@ -51,7 +61,7 @@ class OutputProcessor:
                 include_unfinished: bool) -> list[RequestOutput]:
         """The step's logits into tokens and outputs: one per parent that finished, or with
         `include_unfinished` that got a token."""
-        logits = _keep_scores(sched, logits, self.tokenizer)
+        logits = _keep_scores(sched, logits, self.token_text)
         sampled = [w.request for w in sched.works if w.sample]
         touched: dict[str, None] = {}
         history = None
@@ -270,7 +280,8 @@ class OutputProcessor:
         )
 
 
-def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor, tokenizer) -> torch.Tensor:
+def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor,
+                 token_text: Callable[[int], str]) -> torch.Tensor:
     """Store the log-probabilities of scored prompt tokens and the prompt logprobs they give;
     the rows to sample from."""
     if not any(w.request.num_logit_tokens for w in sched.works):
@@ -291,7 +302,7 @@ def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor, tokenizer) -> tor
                 for t in range(max(scored, lo), hi):  # a recomputed token overwrites its row
                     req.scores[t] = kept[t - max(scored, lo)]
             if req.num_prompt_logprob_tokens:
-                _keep_prompt_logprobs(req, rows, lo, hi, tokenizer)
+                _keep_prompt_logprobs(req, rows, lo, hi, token_text)
         if w.sample:
             sample_rows.append(row + n - 1)
         row += n
@@ -299,7 +310,7 @@ def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor, tokenizer) -> tor
 
 
 def _keep_prompt_logprobs(req: Request, rows: torch.Tensor, lo: int, hi: int,
-                          tokenizer) -> None:
+                          token_text: Callable[[int], str]) -> None:
     """Row t - lo is the distribution of prompt token t + 1: its entry, vLLM's shape (the
     actual token with its rank, and the k most likely), by t + 1."""
     last = min(hi, req.num_prompt_tokens - 1)  # the row after the prompt is the sample's
@@ -320,7 +331,7 @@ def _keep_prompt_logprobs(req: Request, rows: torch.Tensor, lo: int, hi: int,
         token = req.prompt_token_ids[lo + 1 + i]
         entry.setdefault(token, Logprob(chosen[i], rank=ranks[i]))
         for tid, lp in entry.items():
-            lp.decoded_token = tokenizer.decode([tid])
+            lp.decoded_token = token_text(tid)
         req.prompt_logprobs[lo + 1 + i] = entry
 
 
