@@ -335,3 +335,33 @@ def test_chat_errors(tok):
         split_chat_prompt(strict, [{"role": "user", "content": "q"}])
     with pytest.raises(ValueError, match=r"messages\[0\].content is not valid Unicode"):
         split_chat_prompt(tok, [{"role": "user", "content": "q\udfff"}])
+
+
+def test_rag_prompt_with_chat_renders_like_a_chat_request(tok):
+    """RAGPrompt(..., chat=True) is the chat request it stands for (system message, chunks as
+    documents, question as the user message), split as a chat is; text parts only."""
+    from ragkv import LLM, SamplingParams
+
+    messages = [SYSTEM_MSG, {"role": "user", "content": QUESTION}]
+    want, _ = split_chat_prompt(tok, messages, DOCS)
+    got = parse_prompt(RAGPrompt(SYSTEM_MSG["content"], DOCS, QUESTION, chat=True,
+                                 recompute="none"), tok, rules())
+    assert (got.system, got.chunks, got.question, got.text) == (
+        want.system, want.chunks, want.question, want.text)
+    assert got.recompute == "none"
+    no_system, _ = split_chat_prompt(tok, [messages[1]], DOCS)
+    assert parse_prompt(RAGPrompt("", DOCS, QUESTION, chat=True), tok, rules()).token_ids == (
+        no_system.token_ids)
+    for bad in (RAGPrompt([1, 2], DOCS, QUESTION, chat=True),
+                RAGPrompt("s", [[3, 4]], QUESTION, chat=True),
+                RAGPrompt("s", DOCS, "  ", chat=True)):
+        with pytest.raises(ValueError, match="chat=True|question"):
+            parse_prompt(bad, tok, rules())
+    llm = LLM("builtin:tiny", kv_cache_tokens=1024)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    by_prompt = llm.generate(RAGPrompt(SYSTEM_MSG["content"], DOCS, QUESTION, chat=True),
+                             params, use_tqdm=False)[0]
+    by_chat = llm.chat(messages, params, use_tqdm=False, documents=DOCS)[0]
+    assert by_prompt.prompt_token_ids == by_chat.prompt_token_ids
+    assert by_prompt.outputs[0].token_ids == by_chat.outputs[0].token_ids
+    llm.check_integrity()
