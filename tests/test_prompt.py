@@ -344,19 +344,23 @@ def test_rag_prompt_with_chat_renders_like_a_chat_request(tok):
 
     messages = [SYSTEM_MSG, {"role": "user", "content": QUESTION}]
     want, _ = split_chat_prompt(tok, messages, DOCS)
-    got = parse_prompt(RAGPrompt(SYSTEM_MSG["content"], DOCS, QUESTION, chat=True,
-                                 recompute="none"), tok, rules())
+    from ragkv.inputs.chat import split_rag_chat
+
+    got = split_rag_chat(RAGPrompt(SYSTEM_MSG["content"], DOCS, QUESTION, chat=True,
+                                   recompute="none"), tok)
     assert (got.system, got.chunks, got.question, got.text) == (
         want.system, want.chunks, want.question, want.text)
     assert got.recompute == "none"
     no_system, _ = split_chat_prompt(tok, [messages[1]], DOCS)
-    assert parse_prompt(RAGPrompt("", DOCS, QUESTION, chat=True), tok, rules()).token_ids == (
+    assert split_rag_chat(RAGPrompt("", DOCS, QUESTION, chat=True), tok).token_ids == (
         no_system.token_ids)
     for bad in (RAGPrompt([1, 2], DOCS, QUESTION, chat=True),
                 RAGPrompt("s", [[3, 4]], QUESTION, chat=True),
                 RAGPrompt("s", DOCS, "  ", chat=True)):
         with pytest.raises(ValueError, match="chat=True|question"):
-            parse_prompt(bad, tok, rules())
+            split_rag_chat(bad, tok)
+    with pytest.raises(ValueError, match="split_rag_chat"):  # not parsed as plain parts
+        parse_prompt(RAGPrompt("s", DOCS, QUESTION, chat=True), tok, rules())
     llm = LLM("builtin:tiny", kv_cache_tokens=1024)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     by_prompt = llm.generate(RAGPrompt(SYSTEM_MSG["content"], DOCS, QUESTION, chat=True),

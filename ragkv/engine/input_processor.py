@@ -24,9 +24,16 @@ from dataclasses import dataclass, replace
 from ..cache.chunk_key import ChunkKey, ChunkKeys
 from ..cache.kv_manager import SeqKV
 from ..config import EngineConfig, check_separator
-from ..inputs.chat import split_chat_prompt
+from ..inputs.chat import split_chat_prompt, split_rag_chat
 from ..inputs.layout import PromptLayout
-from ..inputs.prompt import RAG_OPTIONS, ChunkedPrompt, PromptRules, max_token_chars, parse_prompt
+from ..inputs.prompt import (
+    RAG_OPTIONS,
+    ChunkedPrompt,
+    PromptRules,
+    RAGPrompt,
+    max_token_chars,
+    parse_prompt,
+)
 from ..inputs.token_cache import TokenCache
 from ..model.model_config import ModelConfig
 from ..outputs import RequestMetrics
@@ -167,6 +174,9 @@ class InputProcessor:
     def process(self, prompt: object, params: SamplingParams | None = None) -> ProcessedPrompt:
         """Stages 1-3 of `prompt`: the tokenized prompt, its layout, chunk keys and recompute."""
         params = _check_params(params)
+        if isinstance(prompt, RAGPrompt) and prompt.chat:
+            prompt = split_rag_chat(prompt, self.tokenizer, self.rules.max_prompt_chars,
+                                    self.token_cache)
         parsed = parse_prompt(prompt, self.tokenizer, self.rules, self.token_cache)
         self._validate(len(parsed.token_ids), params)
         strategy, attention = self._layout_of(parsed)

@@ -4,8 +4,16 @@ cut out where they go, so any template works."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
-from .prompt import ChunkedPrompt, check_text, reused_tokenizer, split_at_separator
+from .prompt import (
+    RAG_OPTIONS,
+    ChunkedPrompt,
+    RAGPrompt,
+    check_text,
+    reused_tokenizer,
+    split_at_separator,
+)
 from .token_cache import TokenCache
 
 # Where the documents go when a chat template is rendered; split out again afterwards.
@@ -97,3 +105,20 @@ def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # noqa: BLE001 (a template may raise anything, e.g. on a role)
         raise ValueError(f"the chat template rejected the messages: {e}") from None
+
+
+def split_rag_chat(p: RAGPrompt, tokenizer, max_chars: int | None = None,
+                   cache: TokenCache | None = None) -> ChunkedPrompt:
+    """A RAGPrompt with `chat=True`: the chat request it stands for (its system message, the
+    chunks as documents, the question as the user message), split as one is."""
+    chunks = p.chunks if isinstance(p.chunks, (list, tuple)) else None
+    if chunks is None or not all(isinstance(x, str) for x in (p.system, p.question, *chunks)):
+        raise ValueError("RAGPrompt(chat=True) takes text: system, chunks and question as "
+                         "strings")
+    if not p.question.strip():
+        raise ValueError("RAGPrompt.question is empty")
+    messages = [{"role": "system", "content": p.system}] if p.system.strip() else []
+    messages.append({"role": "user", "content": p.question})
+    prompt, _ = split_chat_prompt(tokenizer, messages, list(chunks), None, p.cache_salt,
+                                  max_chars, cache)
+    return replace(prompt, **{name: getattr(p, name) for name in RAG_OPTIONS})

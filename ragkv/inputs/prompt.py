@@ -50,8 +50,8 @@ class RAGPrompt:
     recompute_score_mass: float | None = None  # an adaptive budget (config.py)
     recompute_min_ratio: float | None = None
     # Rendered with the model's chat template as a chat request is (LLM.chat, the server's
-    # chat endpoint): `system` the system message, `chunks` the documents, `question` the
-    # user message. Text parts only.
+    # chat endpoint; chat.split_rag_chat): `system` the system message, `chunks` the
+    # documents, `question` the user message. Text parts only.
     chat: bool = False
 
 
@@ -156,8 +156,7 @@ def parse_prompt(prompt: object, tokenizer, rules: PromptRules,
         return _finish(replace(parsed, **layout), rules)
     if isinstance(prompt, RAGPrompt):
         if prompt.chat:
-            return _finish(_from_rag_chat(prompt, tokenizer, rules.max_prompt_chars, cache),
-                           rules)
+            raise ValueError("RAGPrompt(chat=True) is rendered by chat.split_rag_chat first")
         return _finish(_from_rag_prompt(prompt, tokenizer, rules.max_prompt_chars, cache),
                        rules)
     if isinstance(prompt, ChunkedPrompt):  # already tokenized (e.g. a split chat prompt)
@@ -192,24 +191,6 @@ def split_at_separator(text: str, separator: str) -> tuple[str, list[str], str]:
     start, both ends of a chunk), so the spacing around separators never changes the tokens."""
     parts = text.split(separator)
     return parts[0].rstrip(), [p.strip() for p in parts[1:-1]], parts[-1].lstrip()
-
-
-def _from_rag_chat(p: RAGPrompt, tokenizer, max_chars: int | None,
-                   cache: TokenCache | None = None) -> ChunkedPrompt:
-    """A RAGPrompt with `chat=True`: the chat request it stands for, split as one is."""
-    from .chat import split_chat_prompt  # chat.py builds on this module
-
-    chunks = p.chunks if isinstance(p.chunks, (list, tuple)) else None
-    if chunks is None or not all(isinstance(x, str) for x in (p.system, p.question, *chunks)):
-        raise ValueError("RAGPrompt(chat=True) takes text: system, chunks and question as "
-                         "strings")
-    if not p.question.strip():
-        raise ValueError("RAGPrompt.question is empty")
-    messages = [{"role": "system", "content": p.system}] if p.system.strip() else []
-    messages.append({"role": "user", "content": p.question})
-    prompt, _ = split_chat_prompt(tokenizer, messages, list(chunks), None, p.cache_salt,
-                                  max_chars, cache)
-    return replace(prompt, **{name: getattr(p, name) for name in RAG_OPTIONS})
 
 
 def _from_rag_prompt(p: RAGPrompt, tokenizer, max_chars: int | None,
