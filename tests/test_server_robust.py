@@ -196,10 +196,8 @@ def _trickle(sock: socket.socket, piece: bytes, seconds: float) -> tuple[bytes, 
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
-            try:
-                sock.sendall(piece)
-            except OSError:  # closed by the server (a reset, a broken pipe)
-                return got, True
+            # Read before sending: a reply that came with the close is taken before the next
+            # send meets the closed connection (under load the two can land in one interval).
             try:
                 data = sock.recv(65536)
                 if not data:
@@ -208,6 +206,12 @@ def _trickle(sock: socket.socket, piece: bytes, seconds: float) -> tuple[bytes, 
             except BlockingIOError:
                 pass
             except OSError:
+                return got, True
+            try:
+                sock.sendall(piece)
+            except OSError:  # closed by the server (a reset, a broken pipe)
+                with contextlib.suppress(OSError):
+                    got += sock.recv(65536)  # what it sent before closing, if still here
                 return got, True
             time.sleep(0.1)
         return got, False
