@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from .cache.chunk_cache import ChunkCacheStats
 from .config import EngineConfig
 from .engine.engine import Engine
+from .inputs.chat import content_text
 from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 
@@ -136,20 +137,10 @@ class LLM:
 
 
 def _chat_message(message: object, i: int) -> dict:
-    """One chat message as the template takes it: its content a string (text parts joined,
-    as the server joins them)."""
+    """One chat message as the template takes it, its content text as the server's is."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
-    content = message.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                    part.get("text"), str):
-                raise ValueError(f"messages[{i}].content: only text parts "
-                                 "({'type': 'text', 'text': ...}) are supported")
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif content is None:
-        content = ""
-    return {"role": message["role"], "content": content}
+    try:
+        return {"role": message["role"], "content": content_text(message.get("content"))}
+    except ValueError as e:
+        raise ValueError(f"messages[{i}].content: {e}") from None

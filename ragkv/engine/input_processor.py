@@ -102,12 +102,24 @@ class InputProcessor:
         unknown = sorted(set(rag_options) - set(RAG_OPTIONS))
         if unknown:
             raise ValueError(f"unknown RAG option {unknown[0]!r}; known: {', '.join(RAG_OPTIONS)}")
+        prompt = self.split_chat(messages, documents, cache_salt, chunk_separator,
+                                 add_generation_prompt, chat_template)
+        return self.process_prompt(replace(prompt, **rag_options), params)
+
+    def split_chat(self, messages: list[dict], documents: list[str] | None = None,
+                   cache_salt: str | None = None, chunk_separator: str | None = None,
+                   add_generation_prompt: bool = True, chat_template: str | None = None,
+                   use_token_cache: bool = True) -> ChunkedPrompt:
+        """A chat rendered and split (`split_chat_prompt`) with `chunk_separator`, else the
+        engine's, unvalidated; `use_token_cache` False leaves the tokenizer cache (and its
+        counts) to the requests that run (/tokenize)."""
         check_separator(chunk_separator)
         prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
                                       chunk_separator or self.config.chunk_separator, cache_salt,
-                                      self.rules.max_prompt_chars, self.token_cache,
+                                      self.rules.max_prompt_chars,
+                                      self.token_cache if use_token_cache else None,
                                       add_generation_prompt, chat_template)
-        return self.process_prompt(replace(prompt, **rag_options), params)
+        return prompt
 
     def chunk_keys_of(self, prompt: object) -> tuple[ChunkKey, ...]:
         """The chunk-cache keys of a prompt's chunks, in order (none without a cache)."""

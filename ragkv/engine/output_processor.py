@@ -296,11 +296,11 @@ def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor,
         if req.num_logit_tokens and lo < hi:
             part = logits[row + lo - w.logits_from:row + hi - w.logits_from]
             rows = torch.log_softmax(part.float(), dim=-1)
-            scored = req.num_prompt_tokens - req.num_scored_tokens
             if req.num_scored_tokens:
-                kept = rows[max(scored, lo) - lo:].cpu()
-                for t in range(max(scored, lo), hi):  # a recomputed token overwrites its row
-                    req.scores[t] = kept[t - max(scored, lo)]
+                start = max(req.num_prompt_tokens - req.num_scored_tokens, lo)
+                kept = rows[start - lo:].cpu()
+                for t in range(start, hi):  # a recomputed token overwrites its row
+                    req.scores[t] = kept[t - start]
             if req.num_prompt_logprob_tokens:
                 _keep_prompt_logprobs(req, rows, lo, hi, token_text)
         if w.sample:

@@ -20,6 +20,26 @@ from .token_cache import TokenCache
 _DOC_SENTINEL = "\u2063ragkv-documents\u2063"
 
 
+def content_text(content: object) -> str:
+    """A chat message's content as the template takes it: a string as is, null as empty, a
+    list of {"type": "text", "text": ...} parts joined (other parts are a ValueError)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("content must be a string, null or a list of text parts")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"unsupported content part type {kind!r}: only text is supported")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
                       separator: str | None = None, cache_salt: str | None = None,
                       max_chars: int | None = None, cache: TokenCache | None = None,

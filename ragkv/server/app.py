@@ -18,8 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
-from ..config import DEFAULT_MAX_BODY_BYTES, check_separator
-from ..inputs.chat import split_chat_prompt
+from ..config import DEFAULT_MAX_BODY_BYTES
 from ..inputs.prompt import RAGPrompt, parse_prompt
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
@@ -345,33 +344,23 @@ def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ErrorResponse(400, "give exactly one of prompt and messages",
                             param="messages" if body.messages is not None else "prompt")
-    if body.documents is not None and body.chunk_separator is not None:
-        raise ErrorResponse(400, "give documents or chunk_separator, not both",
-                            param="chunk_separator")
-    check_separator(body.chunk_separator)
     core = engine.engine
     inputs = core.inputs
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt, _ = split_chat_prompt(
-            core.tokenizer, messages, body.documents,
-            body.chunk_separator or core.config.chunk_separator, None,
-            inputs.rules.max_prompt_chars, None, body.add_generation_prompt,
-            body.chat_template)
-        return prompt.token_ids
+        if body.documents is not None and body.chunk_separator is not None:
+            raise ErrorResponse(400, "give documents or chunk_separator, not both",
+                                param="chunk_separator")
+        return inputs.split_chat(_chat_messages(body.messages), body.documents, None,
+                                 body.chunk_separator, body.add_generation_prompt,
+                                 body.chat_template, use_token_cache=False).token_ids
     if not body.add_special_tokens:
         if body.documents is not None or body.chunk_separator is not None:
             raise ErrorResponse(400, "add_special_tokens=false tokenizes the text alone: "
                                      "without documents or chunk_separator",
                                 param="add_special_tokens")
         return core.tokenizer.encode(body.prompt, add_special_tokens=False)
-    if body.documents is not None:
-        text: object = RAGPrompt("", [d.strip() for d in body.documents], body.prompt)
-    elif body.chunk_separator is not None:
-        text = {"prompt": body.prompt, "chunk_separator": body.chunk_separator}
-    else:
-        text = body.prompt
-    return parse_prompt(text, core.tokenizer, inputs.rules).token_ids
+    prompt = _text_prompts([body.prompt], body.documents, body.chunk_separator, {})[0]
+    return parse_prompt(prompt, core.tokenizer, inputs.rules).token_ids
 
 
 def _chat_request(engine: AsyncEngine, body: ChatCompletionRequest
@@ -380,7 +369,12 @@ def _chat_request(engine: AsyncEngine, body: ChatCompletionRequest
     params = body.sampling_params()
     _check_not_streamed(body, params)
     _check_request_size(engine, 1, params)
-    return params, [{"role": m.role, "content": m.text()} for m in body.messages]
+    return params, _chat_messages(body.messages)
+
+
+def _chat_messages(messages: list) -> list[dict]:
+    """Request messages as the chat template takes them (content text)."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -473,8 +467,16 @@ def _completion_prompts(body: CompletionRequest) -> list:
     extra = body.layout()
     if body.cache_salt is not None:
         extra["cache_salt"] = body.cache_salt
-    if body.documents is not None:
-        if body.chunk_separator is not None:
+    return _text_prompts(prompts, body.documents, body.chunk_separator, extra)
+
+
+def _text_prompts(prompts: list, documents: list[str] | None, separator: str | None,
+                  extra: dict) -> list:
+    """Prompts (text, or token-id dicts) as the engine takes them: after `documents`, each
+    text the question; else split at the request's `separator`; `extra` (RAG options, salt)
+    carried by each."""
+    if documents is not None:
+        if separator is not None:
             raise ErrorResponse(400, "give documents or chunk_separator, not both",
                                 param="chunk_separator")
         if not all(isinstance(p, str) for p in prompts):
@@ -485,10 +487,10 @@ def _completion_prompts(body: CompletionRequest) -> list:
         if any(not p.strip() for p in prompts):
             raise ErrorResponse(400, "the question (the prompt after the documents) is empty",
                                 param="prompt")
-        docs = [d.strip() for d in body.documents]
+        docs = [d.strip() for d in documents]
         return [RAGPrompt("", docs, p, **extra) for p in prompts]
-    if body.chunk_separator is not None:
-        extra["chunk_separator"] = body.chunk_separator
+    if separator is not None:
+        extra = {**extra, "chunk_separator": separator}
     if extra:
         prompts = [{"prompt": p, **extra} if isinstance(p, str) else {**p, **extra}
                    for p in prompts]

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..inputs.chat import content_text
 from ..inputs.prompt import RAG_OPTIONS
 from ..sampling.params import SamplingParams
 from ..structured.params import StructuredOutputsParams
@@ -222,21 +223,10 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise ErrorResponse(400, f"unsupported content part type {part.get('type')!r}:"
-                                         " only text is supported", param="messages")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise ErrorResponse(400, "a text content part needs a string 'text'",
-                                    param="messages")
-            parts.append(text)
-        return "".join(parts)
+        try:
+            return content_text(self.content)
+        except ValueError as e:
+            raise ErrorResponse(400, str(e), param="messages") from None
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -33,28 +33,13 @@ class ResponseFormatter:
     def _echo(self, choice: dict, out: RequestOutput, c) -> None:
         """The prompt in front of the completion, and with logprobs its tokens' in front of
         the completion's (the first, and a RAG prompt's up to its question's first, null)."""
-        decode = self.tokenizer.decode
-        prompt = out.prompt if out.prompt is not None else decode(out.prompt_token_ids)
+        prompt = (out.prompt if out.prompt is not None
+                  else self.tokenizer.decode(out.prompt_token_ids))
         choice["text"] = prompt + c.text
-        if choice["logprobs"] is None:
-            return
-        tokens, token_logprobs, tops, offsets = [], [], [], []
-        offset = 0
-        entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-        for tid, entry in zip(out.prompt_token_ids, entries, strict=True):
-            token = decode([tid])
-            tokens.append(token)
-            offsets.append(offset)
-            offset += len(token)
-            token_logprobs.append(None if entry is None else entry[tid].logprob)
-            tops.append(None if entry is None else {decode([t]): lp.logprob
-                                                    for t, lp in entry.items()})
-        generated, _ = self._logprobs(c.token_ids, c.logprobs, offset)
-        choice["logprobs"] = {
-            "tokens": tokens + generated["tokens"],
-            "token_logprobs": token_logprobs + generated["token_logprobs"],
-            "top_logprobs": tops + generated["top_logprobs"],
-            "text_offset": offsets + generated["text_offset"]}
+        if choice["logprobs"] is not None:
+            entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            choice["logprobs"], _ = self._logprobs(out.prompt_token_ids + c.token_ids,
+                                                   entries + c.logprobs, 0)
 
     def _choice_index(self, prompt_index: int, completion_index: int) -> int:
         return prompt_index * self.n + completion_index
@@ -171,8 +156,10 @@ class ResponseFormatter:
             tokens.append(token)
             offsets.append(offset)
             offset += len(token)
-            token_logprobs.append(entry[tid].logprob)
-            tops.append({decode([t]): lp.logprob for t, lp in entry.items()})
+            # An echoed prompt's first token (and a RAG prompt's up to its question) has none.
+            token_logprobs.append(None if entry is None else entry[tid].logprob)
+            tops.append(None if entry is None else {decode([t]): lp.logprob
+                                                    for t, lp in entry.items()})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops,
                 "text_offset": offsets}, offset
 
