@@ -10,6 +10,7 @@ from .cache.chunk_cache import ChunkCacheStats
 from .config import EngineConfig
 from .engine.engine import Engine
 from .inputs.chat import content_text
+from .inputs.tools import check_tools, tool_fields
 from .outputs import RequestOutput
 from .sampling.params import SamplingParams
 
@@ -81,13 +82,18 @@ class LLM:
              | None = None, use_tqdm: bool = True, *, documents: list[str] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              chunk_separator: str | None = None, cache_salt: str | None = None,
-             **rag_options: object) -> list[RequestOutput]:
+             tools: list[dict] | None = None, **rag_options: object) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or a
         list of them, rendered with the model's chat template (or `chat_template`) exactly as
         the server's /v1/chat/completions renders them: `documents` (or, with a
         `chunk_separator`, separators in the last user message) become reused chunks after
-        the system message. A message's content is a string or a list of text parts. The
-        RAG options (`position_strategy`, `recompute`, ...) apply to every conversation."""
+        the system message. A message's content is a string or a list of text parts; an
+        assistant's `tool_calls` and a tool result's `tool_call_id` render through the
+        template, as do `tools` (OpenAI's function definitions; the reply is text: the server
+        parses tool calls). The RAG options (`position_strategy`, `recompute`, ...) apply to
+        every conversation."""
+        if tools is not None:
+            check_tools(tools)
         conversations = (messages if messages and isinstance(messages, (list, tuple))
                          and isinstance(messages[0], (list, tuple)) else [messages])
         prompts = []
@@ -96,7 +102,7 @@ class LLM:
                 [_chat_message(m, i) for i, m in enumerate(conversation)], documents,
                 cache_salt, chunk_separator=chunk_separator,
                 add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                **rag_options))
+                tools=tools, **rag_options))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_chunk_cache_stats(self) -> ChunkCacheStats:
@@ -141,6 +147,8 @@ def _chat_message(message: object, i: int) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
     try:
-        return {"role": message["role"], "content": content_text(message.get("content"))}
+        content = content_text(message.get("content"))
     except ValueError as e:
         raise ValueError(f"messages[{i}].content: {e}") from None
+    return {"role": message["role"], "content": content,
+            **tool_fields(message, f"messages[{i}]")}

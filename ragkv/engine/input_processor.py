@@ -94,22 +94,25 @@ class InputProcessor:
     def process_chat(self, messages: list[dict], documents: list[str] | None = None,
                      cache_salt: str | None = None, params: SamplingParams | None = None,
                      chunk_separator: str | None = None, add_generation_prompt: bool = True,
-                     chat_template: str | None = None, **rag_options: object) -> ChunkedPrompt:
+                     chat_template: str | None = None, tools: list[dict] | None = None,
+                     **rag_options: object) -> ChunkedPrompt:
         """A chat request as a prompt (`split_chat_prompt` with `chat_template`, else the
-        model's, and `chunk_separator`, else the engine's), validated like `process_prompt`;
+        model's, `tools`, and `chunk_separator`, else the engine's), validated like
+        `process_prompt`;
         `rag_options` (RAG_OPTIONS: layout and selective recompute, None for the engine's
         default) apply to it."""
         unknown = sorted(set(rag_options) - set(RAG_OPTIONS))
         if unknown:
             raise ValueError(f"unknown RAG option {unknown[0]!r}; known: {', '.join(RAG_OPTIONS)}")
         prompt = self.split_chat(messages, documents, cache_salt, chunk_separator,
-                                 add_generation_prompt, chat_template)
+                                 add_generation_prompt, chat_template, tools=tools)
         return self.process_prompt(replace(prompt, **rag_options), params)
 
     def split_chat(self, messages: list[dict], documents: list[str] | None = None,
                    cache_salt: str | None = None, chunk_separator: str | None = None,
                    add_generation_prompt: bool = True, chat_template: str | None = None,
-                   use_token_cache: bool = True) -> ChunkedPrompt:
+                   use_token_cache: bool = True, tools: list[dict] | None = None
+                   ) -> ChunkedPrompt:
         """A chat rendered and split (`split_chat_prompt`) with `chunk_separator`, else the
         engine's, unvalidated; `use_token_cache` False leaves the tokenizer cache (and its
         counts) to the requests that run (/tokenize)."""
@@ -118,7 +121,7 @@ class InputProcessor:
                                       chunk_separator or self.config.chunk_separator, cache_salt,
                                       self.rules.max_prompt_chars,
                                       self.token_cache if use_token_cache else None,
-                                      add_generation_prompt, chat_template)
+                                      add_generation_prompt, chat_template, tools)
         return prompt
 
     def chunk_keys_of(self, prompt: object) -> tuple[ChunkKey, ...]:

@@ -373,6 +373,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="render a chat request's own chat_template (Jinja runs on the "
                           "server: only for clients you trust); else such a request is a 400")
+    # vLLM's tool-calling flags, so its command lines run unchanged: ragkv parses tool calls
+    # in the Hermes format whenever a request has tools (tool_choice "auto" by default).
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM command lines: tool_choice 'auto' is always "
+                          "available when a request has tools")
+    srv.add_argument("--tool-call-parser", choices=["hermes"], default="hermes",
+                     help="the format tool calls are parsed from: 'hermes' (<tool_call> JSON, "
+                          "as Qwen2.5/Qwen3 write it; ragkv's preamble teaches it to models "
+                          "whose template has no tools)")
     srv.add_argument("--vllm-metric-names", action="store_true",
                      help="/metrics also publishes the series vLLM has under vLLM's names "
                           "(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...), "

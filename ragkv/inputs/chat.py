@@ -15,6 +15,7 @@ from .prompt import (
     split_at_separator,
 )
 from .token_cache import TokenCache
+from .tools import render_inputs
 
 # Where the documents go when a chat template is rendered; split out again afterwards.
 _DOC_SENTINEL = "\u2063ragkv-documents\u2063"
@@ -43,8 +44,8 @@ def content_text(content: object) -> str:
 def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | None = None,
                       separator: str | None = None, cache_salt: str | None = None,
                       max_chars: int | None = None, cache: TokenCache | None = None,
-                      add_generation_prompt: bool = True,
-                      chat_template: str | None = None) -> tuple[ChunkedPrompt, str]:
+                      add_generation_prompt: bool = True, chat_template: str | None = None,
+                      tools: list[dict] | None = None) -> tuple[ChunkedPrompt, str]:
     """Render a chat with the model's own template and cut it where the documents go.
 
     Documents come from `documents`, or else, when a `separator` is set, from separators in
@@ -59,8 +60,10 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     header) is the question part. The same system message and documents therefore give the
     same S and chunks whatever the history, and the chunks are reused (`cache`: their token
     ids by their text). `chat_template` replaces the tokenizer's; `add_generation_prompt`
-    False ends the text after the last message (no assistant header). Returns the prompt and
-    the full rendered text.
+    False ends the text after the last message (no assistant header); `tools` (OpenAI's
+    function definitions) and the messages' tool calls and results render as the template
+    writes them, else in the Hermes format (inputs/tools.py). Returns the prompt and the full
+    rendered text.
     """
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last_user is None:
@@ -87,7 +90,7 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
     rendered_msgs = [dict(m) for m in messages]
     rendered_msgs[last_user]["content"] = content
     render = functools.partial(_render, tokenizer, add_generation_prompt=add_generation_prompt,
-                               chat_template=chat_template)
+                               chat_template=chat_template, tools=tools)
     if not docs:
         text = render(rendered_msgs)
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -115,14 +118,16 @@ def split_chat_prompt(tokenizer, messages: list[dict], documents: list[str] | No
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-            chat_template: str | None = None) -> str:
+            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the model's tokenizer has no chat template (give chat_template)")
     if chat_template is not None and not isinstance(chat_template, str):
         raise ValueError("chat_template must be a string (a Jinja template)")
+    messages, tools = render_inputs(tokenizer, chat_template, messages, tools)
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=chat_template,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             tools=tools)
     except Exception as e:  # noqa: BLE001 (a template may raise anything, e.g. on a role)
         raise ValueError(f"the chat template rejected the messages: {e}") from None
 

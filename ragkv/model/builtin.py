@@ -51,6 +51,46 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The Qwen-family model's template: ChatML without a BOS, with tool calling in the Hermes style
+# that Qwen2.5 and Qwen3 use (the tools as JSON lines in <tools> in the system turn, calls as
+# <tool_call> JSON in the assistant's turn, results in <tool_response> in a user turn).
+TOOLS_CHAT_TEMPLATE = (
+    "{%- set first = messages[0] if messages else none %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if first and first.role == 'system' %}{{- first.content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call functions to answer. Their signatures, one JSON object a "
+    "line:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, reply with a JSON object holding the function name and '"
+    "'its arguments, inside <tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif first and first.role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + first.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if loop.first and not message.content %}{{- '<tool_call>\\n' }}"
+    "{%- else %}{{- '\\n<tool_call>\\n' }}{%- endif %}"
+    "{{- '{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{- fn.arguments if fn.arguments is string else (fn.arguments | tojson) }}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 _COMMON: dict = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
@@ -82,7 +122,21 @@ BUILTIN_MODELS: dict[str, dict] = {
         "num_key_value_heads": 4,
         "intermediate_size": 1408,
     },
+    # builtin:tiny's shape in the Qwen2 family (bias on q, k and v), with a chat template
+    # that calls tools: the family tool calling is written for.
+    "builtin:tiny-qwen2": {
+        **_COMMON,
+        "model_type": "qwen2",
+        "architectures": ["Qwen2ForCausalLM"],
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+    },
 }
+# Each model's chat template (CHAT_TEMPLATE unless named here).
+_TEMPLATES = {"builtin:tiny-qwen2": TOOLS_CHAT_TEMPLATE}
 
 
 def is_builtin(model: str) -> bool:
@@ -103,12 +157,12 @@ def _corpus_bytes() -> bytes:
     return resources.files("ragkv.model").joinpath("data/builtin_corpus.txt").read_bytes()
 
 
-def _fingerprint(spec: dict) -> str:
+def _fingerprint(spec: dict, chat_template: str) -> str:
     """Short hash of everything that determines the checkpoint, so stale caches are never reused."""
     h = hashlib.sha256()
     h.update(f"format={FORMAT_VERSION};seed={SEED};std={INIT_STD};".encode())
     h.update(json.dumps(spec, sort_keys=True).encode())
-    h.update(json.dumps([SPECIAL_TOKENS, CHAT_TEMPLATE]).encode())
+    h.update(json.dumps([SPECIAL_TOKENS, chat_template]).encode())
     h.update(_corpus_bytes())
     return h.hexdigest()[:12]
 
@@ -141,7 +195,7 @@ def _trained_tokenizer() -> Tokenizer:
     return tok
 
 
-def _fast_tokenizer() -> PreTrainedTokenizerFast:
+def _fast_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """A fresh wrapper per call: PreTrainedTokenizerFast is mutable and callers may tweak it."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -154,16 +208,17 @@ def _fast_tokenizer() -> PreTrainedTokenizerFast:
         pad_token=PAD,
         unk_token=UNK,
         additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         model_max_length=_COMMON["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
 
 
-def save_builtin_tokenizer(path: str) -> PreTrainedTokenizerFast:
+def save_builtin_tokenizer(path: str, chat_template: str = CHAT_TEMPLATE
+                           ) -> PreTrainedTokenizerFast:
     """Write the built-in tokenizer files into ``path`` so tests can build their own checkpoints."""
     os.makedirs(path, exist_ok=True)
-    tokenizer = _fast_tokenizer()
+    tokenizer = _fast_tokenizer(chat_template)
     tokenizer.save_pretrained(path)
     return tokenizer
 
@@ -193,6 +248,10 @@ def _random_state_dict(spec: dict) -> dict[str, torch.Tensor]:
         sd[p + "self_attn.k_proj.weight"] = normal(kv_dim, hidden)
         sd[p + "self_attn.v_proj.weight"] = normal(kv_dim, hidden)
         sd[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim)
+        if spec.get("model_type") == "qwen2":  # Qwen2's bias on q, k and v
+            sd[p + "self_attn.q_proj.bias"] = normal(q_dim)
+            sd[p + "self_attn.k_proj.bias"] = normal(kv_dim)
+            sd[p + "self_attn.v_proj.bias"] = normal(kv_dim)
         sd[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
         sd[p + "mlp.up_proj.weight"] = normal(inter, hidden)
         sd[p + "mlp.down_proj.weight"] = normal(hidden, inter)
@@ -203,17 +262,18 @@ def _random_state_dict(spec: dict) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _write_checkpoint(spec: dict, out: Path) -> None:
+def _write_checkpoint(spec: dict, out: Path, chat_template: str) -> None:
     from safetensors.torch import save_file
-    from transformers import GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, GenerationConfig
 
-    LlamaConfig(**spec).save_pretrained(out)
+    config = {k: v for k, v in spec.items() if k != "model_type"}
+    AutoConfig.for_model(spec["model_type"], **config).save_pretrained(out)
     GenerationConfig(
         bos_token_id=BOS_ID,
         eos_token_id=[EOS_ID, IM_END_ID],
         pad_token_id=PAD_ID,
     ).save_pretrained(out)
-    save_builtin_tokenizer(str(out))
+    save_builtin_tokenizer(str(out), chat_template)
     save_file(_random_state_dict(spec), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -234,15 +294,16 @@ def builtin_model_path(name: str, cache_dir: str | None = None) -> str:
     """
     full = _resolve_name(name)
     spec = BUILTIN_MODELS[full]
+    template = _TEMPLATES.get(full, CHAT_TEMPLATE)
     parent = _cache_root(cache_dir) / "builtin"
-    final = parent / f"{full.removeprefix(PREFIX)}-{_fingerprint(spec)}"
+    final = parent / f"{full.removeprefix(PREFIX)}-{_fingerprint(spec, template)}"
     if _is_complete(final):
         return str(final)
 
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:
-        _write_checkpoint(spec, tmp)
+        _write_checkpoint(spec, tmp, template)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared between users.
         try:
             os.replace(tmp, final)

@@ -154,7 +154,7 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
                                                params, chunk_separator=body.chunk_separator,
                                                add_generation_prompt=body.add_generation_prompt,
                                                chat_template=body.chat_template,
-                                               **body.layout())
+                                               tools=body.tool_list(), **body.layout())
             explicit = body.max_tokens is not None or body.max_completion_tokens is not None
             _check_lengths(engine, [prompt], params, explicit)
         except ErrorResponse as e:
@@ -180,7 +180,8 @@ def build_app(engine: AsyncEngine, metrics: Metrics, config: ServerConfig) -> Fa
             return _error(ErrorResponse(400, str(e)))
         formatter = ResponseFormatter(request_id, config.model_name, chat, params, tokenizer,
                                       echo=not chat and bool(body.echo),
-                                      prompt_logprobs=body.prompt_logprobs is not None)
+                                      prompt_logprobs=body.prompt_logprobs is not None,
+                                      tools=body.tool_choice_of() if chat else None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(_stream(engine, streams, formatter, include_usage),
@@ -305,7 +306,8 @@ def _constrained(body) -> bool:
     """Whether the request asks for a structured output: building its sampling parameters
     compiles a grammar, which goes to the structured-output workers."""
     return any(getattr(body, name) is not None for name in (
-        "response_format", "guided_json", "guided_choice", "structured_outputs"))
+        "response_format", "guided_json", "guided_choice", "structured_outputs")) or (
+        getattr(body, "tool_choice", None) not in (None, "none", "auto"))
 
 
 def _completion_request(engine: AsyncEngine, body: CompletionRequest
@@ -352,7 +354,8 @@ def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
                                 param="chunk_separator")
         return inputs.split_chat(_chat_messages(body.messages), body.documents, None,
                                  body.chunk_separator, body.add_generation_prompt,
-                                 body.chat_template, use_token_cache=False).token_ids
+                                 body.chat_template, use_token_cache=False,
+                                 tools=body.tool_list()).token_ids
     if not body.add_special_tokens:
         if body.documents is not None or body.chunk_separator is not None:
             raise ErrorResponse(400, "add_special_tokens=false tokenizes the text alone: "
@@ -373,8 +376,8 @@ def _chat_request(engine: AsyncEngine, body: ChatCompletionRequest
 
 
 def _chat_messages(messages: list) -> list[dict]:
-    """Request messages as the chat template takes them (content text)."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+    """Request messages as the chat template takes them (content text, tool calls)."""
+    return [m.template_message(i) for i, m in enumerate(messages)]
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

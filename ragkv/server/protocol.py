@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..inputs.chat import content_text
 from ..inputs.prompt import RAG_OPTIONS
+from ..inputs.tools import check_tools, tool_fields
 from ..sampling.params import SamplingParams
 from ..structured.params import StructuredOutputsParams
+from .tool_calls import ToolChoice, tool_choice
 
 
 class ErrorResponse(Exception):
@@ -100,6 +102,10 @@ class _SamplingFields(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
 
+    def _tool_schema(self) -> dict | None:
+        """The schema a tool choice holds the output to (chat requests)."""
+        return None
+
     def layout(self) -> dict:
         """The prompt keys of the RAG options (prompt.RAG_OPTIONS) that were given."""
         return {k: getattr(self, k) for k in RAG_OPTIONS if getattr(self, k) is not None}
@@ -149,6 +155,9 @@ class _SamplingFields(BaseModel):
                                     param="structured_outputs")
             asked.append(("structured_outputs", {k: spec[k] for k in ("json", "json_object",
                                                                        "choice") if k in spec}))
+        schema = self._tool_schema()
+        if schema is not None:
+            asked.append(("tools", {"json": schema}))
         if not asked:
             return None
         if len(asked) > 1:
@@ -216,17 +225,71 @@ class CompletionRequest(_SamplingFields):
         return self._sampling(self.max_tokens, self.logprobs, prompt)
 
 
+class FunctionCall(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = _STRICT
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
+    name: str | None = None
 
     def text(self) -> str:
         try:
             return content_text(self.content)
         except ValueError as e:
             raise ErrorResponse(400, str(e), param="messages") from None
+
+    def template_message(self, i: int) -> dict:
+        """The message as the chat template takes it (content text, calls' arguments parsed)."""
+        try:
+            extra = tool_fields(self.model_dump(exclude_none=True), f"messages[{i}]")
+        except ValueError as e:
+            raise ErrorResponse(400, str(e), param="messages") from None
+        return {"role": self.role, "content": self.text(), **extra}
+
+
+def _tool_list(tools: list[ToolDefinition] | None) -> list[dict] | None:
+    """A request's tools as the chat template takes them, checked."""
+    if tools is None:
+        return None
+    dicts = [t.model_dump(exclude_none=True) for t in tools]
+    try:
+        check_tools(dicts)
+    except ValueError as e:
+        raise ErrorResponse(400, str(e), param="tools") from None
+    return dicts
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -240,22 +303,29 @@ class ChatCompletionRequest(_SamplingFields):
     # text ends with the assistant's header.
     chat_template: str | None = None
     add_generation_prompt: bool = True
-    tools: list | None = None
+    # Tool calling (server/tool_calls.py).
+    tools: list[ToolDefinition] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     functions: list | None = None  # OpenAI's legacy function calling
     function_call: str | dict | None = None
 
+    def tool_list(self) -> list[dict] | None:
+        return _tool_list(self.tools)
+
+    def tool_choice_of(self) -> ToolChoice:
+        try:
+            return tool_choice(self.tool_list(), self.tool_choice, self.parallel_tool_calls)
+        except ValueError as e:
+            raise ErrorResponse(400, str(e), param="tool_choice") from None
+
+    def _tool_schema(self) -> dict | None:
+        return self.tool_choice_of().schema()
+
     def sampling_params(self) -> SamplingParams:
-        # Tools are not rendered into the prompt and calls are not parsed; tool_choice "none"
-        # (or tools absent) asks for neither.
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ErrorResponse(400, f"tool_choice {self.tool_choice!r}: function calling is "
-                                     "not supported", param="tool_choice")
-        if self.tools and self.tool_choice != "none":
-            raise ErrorResponse(400, "tools (function calling) are not supported; "
-                                     "tool_choice \"none\" is", param="tools")
         if self.functions or self.function_call not in (None, "none"):
-            raise ErrorResponse(400, "functions (function calling) are not supported",
+            raise ErrorResponse(400, "functions (legacy function calling) are not supported: "
+                                     "use tools",
                                 param="functions" if self.functions else "function_call")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
@@ -279,7 +349,11 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    tools: list[ToolDefinition] | None = None
     return_token_strs: bool = False
+
+    def tool_list(self) -> list[dict] | None:
+        return _tool_list(self.tools)
 
 
 class DetokenizeRequest(BaseModel):

@@ -7,15 +7,18 @@ from __future__ import annotations
 import time
 
 from ..outputs import RequestOutput
+from .tool_calls import ToolCallStream, ToolChoice, reply
 
 
 class ResponseFormatter:
     """Builds OpenAI response bodies and streaming chunks from engine outputs."""
 
     def __init__(self, request_id: str, model: str, chat: bool, params, tokenizer,
-                 echo: bool = False, prompt_logprobs: bool = False) -> None:
+                 echo: bool = False, prompt_logprobs: bool = False,
+                 tools: ToolChoice | None = None) -> None:
         """`echo`: completions' (the prompt before each choice's text); `prompt_logprobs`:
-        whether the request asked for them (each choice then carries them)."""
+        whether the request asked for them (each choice then carries them); `tools`: a chat
+        request's tool choice (replies parsed for calls unless it is "none")."""
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -29,6 +32,8 @@ class ResponseFormatter:
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self.echo = echo
         self.show_prompt_logprobs = prompt_logprobs
+        self.tools = tools if tools is not None and tools.parses else None
+        self._tool_streams: dict[int, ToolCallStream] = {}  # choice index -> its parser
 
     def _echo(self, choice: dict, out: RequestOutput, c) -> None:
         """The prompt in front of the completion, and with logprobs its tokens' in front of
@@ -52,7 +57,10 @@ class ResponseFormatter:
                 logprobs, _ = self._logprobs(c.token_ids, c.logprobs, 0)
                 choice = {"index": index, "finish_reason": c.finish_reason,
                           "logprobs": logprobs}
-                if self.chat:
+                if self.chat and self.tools is not None:
+                    choice["message"], choice["finish_reason"] = reply(self.tools, c.text,
+                                                                       c.finish_reason)
+                elif self.chat:
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
                     choice["text"] = c.text
@@ -88,28 +96,42 @@ class ResponseFormatter:
                 text = text[:max(end - self._hold, chars)]
             new_text = text[chars:]
             new_ids = c.token_ids[tokens:]
-            if not new_text and not first and c.finish_reason is None:
+            finish = c.finish_reason
+            if self.chat:
+                delta, finish = self._chat_delta(index, new_text, finish)
+                if not delta and not first and finish is None:
+                    self._sent[index] = (chars + len(new_text), tokens, offset)  # held
+                    continue
+                if not delta and self.tools is None:
+                    delta = {"content": ""}
+                choice = {"index": index, "delta": ({"role": "assistant", **delta} if first
+                                                    else delta)}
+            elif not new_text and not first and finish is None:
                 continue
+            else:
+                choice = {"index": index, "text": new_text}
             logprobs, next_offset = self._logprobs(
                 new_ids, c.logprobs[tokens:] if c.logprobs is not None else None, offset)
             self._sent[index] = (chars + len(new_text), len(c.token_ids), next_offset)
-            if c.finish_reason is not None:
+            if finish is not None:
                 self._done.add(index)
-            if self.chat:
-                delta = {"content": new_text}
-                if first:
-                    delta["role"] = "assistant"
-                choice = {"index": index, "delta": delta}
-            else:
-                choice = {"index": index, "text": new_text}
             choice["logprobs"] = logprobs
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = finish
             if not self.chat:
                 choice["stop_reason"] = c.stop_reason
             chunks.append({"id": self.request_id,
                            "object": "chat.completion.chunk" if self.chat else "text_completion",
                            "created": self.created, "model": self.model, "choices": [choice]})
         return chunks
+
+    def _chat_delta(self, index: int, new_text: str, finish: str | None
+                    ) -> tuple[dict, str | None]:
+        """A chat choice's delta fields for its new text, and its finish_reason: the text as
+        content, or what its tool-call parser makes of it."""
+        if self.tools is None:
+            return {"content": new_text} if new_text else {}, finish
+        stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
+        return stream.feed(new_text, finish is not None, finish)
 
     def usage_chunk(self, outputs: list[RequestOutput]) -> dict:
         return {"id": self.request_id,
