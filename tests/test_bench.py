@@ -204,4 +204,5 @@ def test_vllm_surface_script_passes():
     r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "vllm_surface.py")],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("PASS") == 9 and "every check passed" in r.stdout
+    assert r.stdout.count("PASS") == 14 and "every check passed" in r.stdout
+    assert "INFO  6 auto without forcing" in r.stdout

@@ -377,6 +377,8 @@ def test_tokenize_detokenize_and_version(server, offline):
     for path, body, fragment in (
             ("/tokenize", {"prompt": "a", "messages": messages}, "exactly one"),
             ("/tokenize", {}, "exactly one"),
+            ("/tokenize", {"messages": messages, "documents": docs, "chunk_separator": "##"},
+             "not both"),
             ("/tokenize", {"prompt": "a", "model": "other"}, "does not exist"),
             ("/detokenize", {"tokens": [1, 10 ** 9]}, "outside the vocabulary"),
             ("/detokenize", {"tokens": "1 2"}, "tokens")):
@@ -577,6 +579,11 @@ def test_chat_empty_question_with_documents(client):
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "  "}], max_tokens=2,
             extra_body={"documents": ["a document"]})
+    # Documents and a separator at once are ambiguous, in a chat as in a completion.
+    with pytest.raises(BadRequestError, match="not both"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "a ## q"}], max_tokens=2,
+            extra_body={"documents": ["a document"], "chunk_separator": "##"})
 
 
 def test_64_concurrent_requests_from_16_clients(server):

@@ -117,6 +117,8 @@ class InputProcessor:
         engine's, unvalidated; `use_token_cache` False leaves the tokenizer cache (and its
         counts) to the requests that run (/tokenize)."""
         check_separator(chunk_separator)
+        if documents is not None and chunk_separator is not None:
+            raise ValueError("give documents or chunk_separator, not both")
         prompt, _ = split_chat_prompt(self.tokenizer, messages, documents,
                                       chunk_separator or self.config.chunk_separator, cache_salt,
                                       self.rules.max_prompt_chars,

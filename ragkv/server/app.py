@@ -349,9 +349,6 @@ def _tokenize(engine: AsyncEngine, body: TokenizeRequest) -> list[int]:
     core = engine.engine
     inputs = core.inputs
     if body.messages is not None:
-        if body.documents is not None and body.chunk_separator is not None:
-            raise ErrorResponse(400, "give documents or chunk_separator, not both",
-                                param="chunk_separator")
         return inputs.split_chat(_chat_messages(body.messages), body.documents, None,
                                  body.chunk_separator, body.add_generation_prompt,
                                  body.chat_template, use_token_cache=False,
