@@ -46,6 +46,54 @@ DEFAULT_SINK_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`; engine/speculative.py). Method
+    "ngram" (prompt lookup): up to `num_speculative_tokens` drafts copied from where the
+    request's last `prompt_lookup_max` .. `prompt_lookup_min` tokens occurred before in its
+    prompt or output, verified in one forward pass. Off while `disable_by_batch_size` or more
+    requests run (None: never off by batch size)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram' (prompt lookup), got "
+                             f"{self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got "
+                                 f"{value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("speculative_config prompt_lookup_min must be at most "
+                             "prompt_lookup_max")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)
+                                  or limit < 1):
+            raise ValueError(f"speculative_config disable_by_batch_size must be a positive "
+                             f"integer or None, got {limit!r}")
+
+    @classmethod
+    def of(cls, spec: object) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from itself, a dict of its fields (vLLM's form) or None."""
+        if spec is None or isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict of settings, got "
+                             f"{type(spec).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown setting {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(known))})")
+        return cls(**spec)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     """User-facing engine settings; names follow vLLM where vLLM has one."""
 
@@ -117,8 +165,13 @@ class EngineConfig:
     # Run every step eagerly: no CUDA graphs for decode or short single-sequence extend steps
     # (vLLM's --enforce-eager).
     enforce_eager: bool = False
+    # Speculative decoding (SpeculativeConfig, or a dict of its settings; None: off).
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        # vLLM takes the settings as a dict: the one input converted here.
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.of(self.speculative_config))
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_logprobs", "max_n"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

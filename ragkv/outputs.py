@@ -37,6 +37,11 @@ class RequestMetrics:
     # Chunk tokens recomputed with full attention (selective recompute) instead of reused.
     num_recomputed_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (engine/speculative.py): steps that verified drafts, the drafts
+    # they verified, and how many of those were kept.
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> float | None:

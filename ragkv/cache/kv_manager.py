@@ -148,6 +148,17 @@ class KVCacheManager:
         seq.num_tree = n
         seq.handle = match.handle
 
+    def truncate(self, seq: SeqKV, n: int) -> None:
+        """Give back the sequence's slots after its first `n` (its own: speculative drafts
+        that were not kept)."""
+        if n < seq.num_tree or any(end > n for _, end in seq.borrowed):
+            raise ValueError(f"kv cache: cannot cut a sequence to {n} slots inside its cached "
+                             "prefix or a borrowed chunk")
+        if n < len(seq.slots):
+            self.allocator.free(seq.slots[n:])
+            del seq.slots[n:]
+            seq.num_mirrored = min(seq.num_mirrored, n)
+
     def release(self, seq: SeqKV, computed_tokens: list[int] | None = None) -> None:
         """Give back all of `seq`'s slots. With `computed_tokens` (its first tokens, whose KV is
         valid) and prefix caching on, their KV stays in the tree for later requests."""

@@ -40,6 +40,7 @@ from ..structured.token_grammar import StructuredOutputs
 from .input_processor import InputProcessor
 from .output_processor import OutputProcessor
 from .scheduler import InvariantViolation, Scheduler
+from .speculative import SpecDecodeStats, speculator_for
 
 logger = logging.getLogger("ragkv")
 
@@ -117,7 +118,8 @@ class Engine:
         debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"
         self.scheduler = Scheduler(self.kv, self.chunk_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.enable_prefix_caching,
-                                   debug_checks=debug, num_layers=mc.num_layers)
+                                   debug_checks=debug, num_layers=mc.num_layers,
+                                   speculator=speculator_for(config, self.max_model_len))
         self.outputs = OutputProcessor(self.scheduler, self.tokenizer, self.max_model_len,
                                        self.device)
 
@@ -305,14 +307,14 @@ class Engine:
             self.kv.radix.reset()
 
     def chunk_cache_stats(self) -> ChunkCacheStats:
-        if self.chunk_cache is None:
-            return ChunkCache(None).stats()
-        return self.chunk_cache.stats()
+        return (ChunkCache(None) if self.chunk_cache is None else self.chunk_cache).stats()
 
     def token_cache_stats(self) -> TokenCacheStats:
-        if self.token_cache is None:
-            return TokenCache(None, 0).stats()
-        return self.token_cache.stats()
+        return (TokenCache(None, 0) if self.token_cache is None else self.token_cache).stats()
+
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        spec = self.scheduler.speculator
+        return SpecDecodeStats() if spec is None else spec.stats
 
     def clear_chunk_cache(self) -> int:
         if self._asleep:  # what sleep() offloaded is cached too: it does not come back

@@ -62,16 +62,26 @@ class OutputProcessor:
         """The step's logits into tokens and outputs: one per parent that finished, or with
         `include_unfinished` that got a token."""
         logits = _keep_scores(sched, logits, self.token_text)
-        sampled = [w.request for w in sched.works if w.sample]
+        # One row per sampled work, or 1 + k for a request verifying k drafts: row j is
+        # sampled as its output token number (tokens so far) + j would be.
+        sampled, steps = [], []
+        for w in sched.works:
+            if w.sample:
+                req = w.request
+                done = req.num_output_tokens - req.num_drafts
+                sampled.extend([req] * (req.num_drafts + 1))
+                steps.extend(range(done, done + req.num_drafts + 1))
         touched: dict[str, None] = {}
         history = None
-        if any(r.params.has_penalties for r in sampled):
-            sampled, history, logits = self._histories(sampled, logits, touched)
+        if any(r.params.has_penalties for r in sampled):  # never with drafts
+            keep, history = self._histories(sampled, touched)
+            if len(keep) < len(sampled):
+                sampled, steps = [sampled[i] for i in keep], [steps[i] for i in keep]
+                logits = logits[keep]
         if sampled:
             try:
                 result = sample(logits, [r.params for r in sampled],
-                                [r.seed for r in sampled],
-                                [r.num_output_tokens for r in sampled], history)
+                                [r.seed for r in sampled], steps, history)
             except Exception as e:  # noqa: BLE001 (the sampled requests fail, not the engine)
                 logger.exception("sampling failed")
                 for req in sampled:
@@ -79,14 +89,16 @@ class OutputProcessor:
                     touched[req.parent_id] = None
                 sampled = []
             now = time.monotonic()
+            # A request's rows are consecutive; grouped before any of them is taken (taking
+            # one may fail its siblings, which drops their drafts).
+            groups: list[tuple[Request, int, int]] = []
             for j, req in enumerate(sampled):
-                if req.status.finished:
-                    continue  # a sibling failed
-                try:
-                    self._append_token(req, result.token_ids[j], result.token_logprobs[j],
-                                       result.top_logprobs[j], now)
-                except Exception as e:  # noqa: BLE001 (this request fails, not the step)
-                    self._fail_with(req, e)
+                if groups and groups[-1][0] is req:
+                    groups[-1] = (req, groups[-1][1], groups[-1][2] + 1)
+                else:
+                    groups.append((req, j, 1))
+            for req, first, rows in groups:
+                self._take(req, result, first, rows, now)
                 touched[req.parent_id] = None
         outputs = []
         for pid in touched:
@@ -95,6 +107,23 @@ class OutputProcessor:
                                          or all(c.status.finished for c in children)):
                 outputs.append(self._output(pid))
         return outputs
+
+    def _take(self, req: Request, result, first: int, rows: int, now: float) -> None:
+        """Append what rows first .. first + rows - 1 of a step's samples give `req`: its
+        next token, or (verifying drafts) the drafts kept and the token after them."""
+        if req.status.finished:
+            return  # a sibling failed
+        try:
+            tokens = result.token_ids[first:first + rows]
+            if rows > 1:
+                tokens = self.scheduler.accept_drafts(req, tokens)
+            for i, token in enumerate(tokens):
+                self._append_token(req, token, result.token_logprobs[first + i],
+                                   result.top_logprobs[first + i], now)
+                if req.status.finished:
+                    break
+        except Exception as e:  # noqa: BLE001 (this request fails, not the step)
+            self._fail_with(req, e)
 
     def fail(self, req: Request, message: str | None, bad_request: bool = False) -> None:
         """Finish `req` and its siblings (the other samples of its prompt) with an error;
@@ -139,11 +168,10 @@ class OutputProcessor:
         for req in list(sched.running) + list(sched.waiting):
             sched.finish(req, RequestStatus.FINISHED_ABORTED)  # not reachable by id
 
-    def _histories(self, sampled: list[Request], logits: torch.Tensor,
-                   touched: dict[str, None]
-                   ) -> tuple[list[Request], list[TokenHistory | None], torch.Tensor]:
-        """Each sampled request's TokenHistory; a request whose history fails (its grammar's
-        mask over budget) fails alone and leaves the batch with its logits row."""
+    def _histories(self, sampled: list[Request], touched: dict[str, None]
+                   ) -> tuple[list[int], list[TokenHistory | None]]:
+        """The rows to keep and each kept row's TokenHistory; a request whose history fails
+        (its grammar's mask over budget) fails alone and leaves the batch with its rows."""
         keep: list[int] = []
         history: list[TokenHistory | None] = []
         for j, req in enumerate(sampled):
@@ -156,10 +184,7 @@ class OutputProcessor:
                 touched[req.parent_id] = None
                 continue
             keep.append(j)
-        if len(keep) < len(sampled):
-            sampled = [sampled[j] for j in keep]
-            logits = logits[keep]
-        return sampled, history, logits
+        return keep, history
 
     def _history(self, req: Request) -> TokenHistory:
         """What a request's penalties read; its prompt's distinct ids go to the device once
@@ -271,7 +296,9 @@ class OutputProcessor:
                                                          for c in children),
                               last_token_time=max(c.metrics.last_token_time or 0.0
                                                   for c in children),
-                              num_preemptions=sum(c.metrics.num_preemptions for c in children))
+                              **{name: sum(getattr(c.metrics, name) for c in children)
+                                 for name in ("num_preemptions", "num_spec_steps",
+                                              "num_draft_tokens", "num_accepted_tokens")})
         return RequestOutput(
             request_id=parent_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
@@ -303,8 +330,8 @@ def _keep_scores(sched: SchedulerOutput, logits: torch.Tensor,
                     req.scores[t] = kept[t - start]
             if req.num_prompt_logprob_tokens:
                 _keep_prompt_logprobs(req, rows, lo, hi, token_text)
-        if w.sample:
-            sample_rows.append(row + n - 1)
+        if w.sample:  # the last row, and one before it for each draft
+            sample_rows.extend(range(row + n - 1 - req.num_drafts, row + n))
         row += n
     return logits[sample_rows]
 

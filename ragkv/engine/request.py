@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from ..recompute.selection import RecomputeSpec
 from ..sampling.detokenizer import IncrementalDetokenizer
 from ..sampling.params import SamplingParams
 from ..structured.token_grammar import GrammarMatcher
+
+if TYPE_CHECKING:
+    from .speculative import NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -99,6 +103,12 @@ class Request:
     prompt_ids_on_device: torch.Tensor | None = None
     # Structured outputs: where this sample is in its grammar (None without one).
     matcher: GrammarMatcher | None = None
+    # Speculative decoding (engine/speculative.py): drafts appended to `token_ids` for the
+    # step being run (0 outside a step), the request's n-gram index, and its back-off.
+    num_drafts: int = 0
+    ngram: NgramIndex | None = None
+    spec_misses: int = 0  # drafting steps in a row that kept no draft
+    spec_backoff: int = 0  # decode steps left without drafts
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -47,6 +47,7 @@ from ..cache.kv_manager import KVCacheManager
 from ..recompute.planner import RecomputePlanner
 from .request import ChunkBinding, Request, RequestStatus
 from .scheduler_output import SchedulerOutput, SeqWork
+from .speculative import Speculator
 
 logger = logging.getLogger("ragkv")
 
@@ -79,7 +80,8 @@ class _Blocked(Exception):
 class Scheduler:
     def __init__(self, kv: KVCacheManager, chunk_cache: ChunkCache | None, max_num_seqs: int,
                  max_num_batched_tokens: int, enable_prefix_caching: bool,
-                 debug_checks: bool = False, num_layers: int = 1) -> None:
+                 debug_checks: bool = False, num_layers: int = 1,
+                 speculator: Speculator | None = None) -> None:
         self.kv = kv
         self.chunk_cache = chunk_cache
         self.max_num_seqs = max_num_seqs
@@ -87,6 +89,7 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.debug_checks = debug_checks
         self.recompute = RecomputePlanner(chunk_cache, num_layers, max_num_batched_tokens)
+        self.speculator = speculator
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -103,6 +106,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if self.speculator is not None and decoding:
+            # Drafts make a decoding request's work an extend of 1 + k tokens, planned first.
+            self.speculator.propose(decoding, len(self.running), budget)
         for req in decoding + prefilling:
             if budget == 0:
                 break
@@ -298,7 +304,9 @@ class Scheduler:
             try:
                 for entry in mine:  # the chunk entries it finished computing
                     self.chunk_cache.complete(completing.pop(id(entry)))
-                prefilled = x - req.num_computed_tokens > 1 or x <= req.layout.question_start
+                # A step with drafts is not a prefill: drafts not kept give their slots back.
+                prefilled = not req.num_drafts and (x - req.num_computed_tokens > 1
+                                                    or x <= req.layout.question_start)
                 req.num_computed_tokens = x
                 if self.enable_prefix_caching and prefilled:
                     self.kv.cache(req.kv, req.cacheable_tokens())
@@ -331,10 +339,19 @@ class Scheduler:
             self.finish(req, RequestStatus.FINISHED_ERROR)
         return failed
 
+    def accept_drafts(self, req: Request, sampled: list[int]) -> list[int]:
+        """A drafting request's tokens to append, from the k + 1 samples of its step
+        (Speculator.verify); the slots of the drafts not kept come back now."""
+        tokens, valid = self.speculator.verify(req, sampled)
+        self.kv.truncate(req.kv, valid)
+        req.num_computed_tokens = valid
+        return tokens
+
     def finish(self, req: Request, status: RequestStatus, keep_prefix: bool = True) -> None:
         """Take a request out of the queues and give back its slots (its computed prefix
         into the prefix cache unless `keep_prefix` is False: a request whose commit failed
         midway may hold KV nobody should reuse)."""
+        Speculator.drop(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING and req in self.waiting:
@@ -358,6 +375,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         out.discard(req)
+        Speculator.drop(req)
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
@@ -378,6 +396,9 @@ class Scheduler:
                 raise AssertionError(f"scheduler: work for request {req.request_id}, which is "
                                      f"not running ({req.status.value})")
             q = w.end - w.start
+            if req.num_drafts and not (w.sample and w.end - w.logits_from == req.num_drafts + 1):
+                raise AssertionError(f"scheduler: request {req.request_id}'s work does not "
+                                     "return a row for each of its drafts")
             if not (0 <= w.start < w.end <= req.num_tokens and w.kv_spans
                     and w.kv_spans[-1][1] == w.end and w.num_kv >= q
                     and all(0 <= a <= b <= len(req.kv.slots) for a, b in w.kv_spans)):
@@ -417,6 +438,8 @@ def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]
           turns: tuple[tuple[int, int, int], ...]) -> SeqWork:
     sample = end == req.num_tokens
     logits_from = end - 1 if sample else end
+    if sample and req.num_drafts:  # a row for the pending token and one for each draft
+        logits_from = max(start, end - 1 - req.num_drafts)
     if req.num_logit_tokens:
         scored_from = max(start, req.num_prompt_tokens - req.num_logit_tokens)
         if scored_from < min(end, req.num_prompt_tokens):

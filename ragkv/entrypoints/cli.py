@@ -52,6 +52,17 @@ def _resolve_model(args: argparse.Namespace) -> None:
         raise ValueError(f"no model given: ragkv {args.command} MODEL (or --model MODEL)")
 
 
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object given on the command line."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser,
                     default_model: str | None = "builtin:small") -> None:
     """Engine flags, named as in vLLM, shared by every subcommand that loads a model."""
@@ -162,6 +173,12 @@ def add_engine_args(parser: argparse.ArgumentParser,
                         help="no CUDA graphs: run every decode and short extend step eagerly")
     parser.add_argument("--debug-checks", action="store_true",
                         help="check the scheduler's invariants after every step")
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        metavar="JSON",
+                        help="speculative decoding from the request's own tokens, vLLM's "
+                             "form: '{\"method\": \"ngram\", \"num_speculative_tokens\": 5, "
+                             "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'; off when "
+                             "not given")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -31,7 +31,8 @@ VLLM_SERIES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens",
     "generation_tokens", "time_to_first_token_seconds", "inter_token_latency_seconds",
     "e2e_request_latency_seconds", "request_queue_time_seconds", "request_success",
-    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits"})
+    "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"})
 _SUFFIXES = ("_total", "_created", "_bucket", "_count", "_sum")
 
 
@@ -78,6 +79,12 @@ class Metrics:
                                      "Prompt tokens processed (counted at a request's first "
                                      "token, or its end when it generates none).")
         self.generation_tokens = counter("ragkv:generation_tokens", "Generated tokens.")
+        self.spec_drafts = counter("ragkv:spec_decode_num_drafts",
+                                   "Speculative decoding: steps that verified drafts.")
+        self.spec_draft_tokens = counter("ragkv:spec_decode_num_draft_tokens",
+                                         "Speculative decoding: draft tokens verified.")
+        self.spec_accepted_tokens = counter("ragkv:spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: draft tokens kept.")
         self.chunk_cache_usage = gauge("ragkv:chunk_cache_usage_perc",
                                        "Fraction of the chunk-cache region in use (0-1).")
         self.kv_cache_usage = gauge("ragkv:kv_cache_usage_perc",
@@ -127,6 +134,10 @@ class Metrics:
         tokens = engine.token_cache_stats()
         self._advance(self.tokenizer_cache_queries, "tokenizer_queries", tokens.queries)
         self._advance(self.tokenizer_cache_hits, "tokenizer_hits", tokens.hits)
+        spec = engine.spec_decode_stats()
+        self._advance(self.spec_drafts, "spec_drafts", spec.num_drafts)
+        self._advance(self.spec_draft_tokens, "spec_draft_tokens", spec.num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, "spec_accepted", spec.num_accepted_tokens)
         self.chunk_cache_usage.set(chunks.usage)
         self.kv_cache_usage.set(stats.kv_usage)
         self.num_running.set(stats.num_running)

@@ -1,0 +1,157 @@
+"""Speculative decoding from the request's own tokens (prompt lookup: vLLM's `ngram` method).
+
+A RAG answer copies names, numbers and phrases from its documents. When a decoding request's
+last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) occurred earlier in its
+prompt or output, the tokens that followed them there are its drafts: appended to the request
+for one step, they make its work an extend of k + 1 queries (the pending token and k drafts),
+which returns k + 1 rows of logits.
+
+Verification samples every row as an ordinary decode step would sample it (the same seeded
+stream at the same output index, sampling/sampler.py) and keeps the drafts up to the first one
+that differs from its row's sample, plus that row's sample. For a draft proposed with
+certainty this is exact rejection sampling: a draft d is kept with probability p(d), and on a
+mismatch the token kept is drawn from p restricted to the tokens other than d. So outputs keep
+the target distribution, and with a given seed they are the tokens decoding without drafts
+gives (greedy and sampled alike). The rejected drafts' KV slots are freed at once.
+
+Drafts are proposed only where they cannot change what the sampler sees: not for requests
+whose rows depend on the tokens before them (penalties, logit bias, min_tokens, structured
+outputs). A request whose drafts keep missing backs off (it drafts again after 1, 3, 7, 15
+decode steps), so text without copying costs little.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import EngineConfig, SpeculativeConfig
+from .request import Request
+
+# Longest back-off of a request whose drafts keep missing, in decode steps.
+_MAX_BACKOFF = 15
+
+
+class NgramIndex:
+    """Where each n-gram (prompt_lookup_min <= n <= prompt_lookup_max) of a request's tokens
+    last ended, over the n-grams that have a token after them. Grown as tokens come (each
+    token is indexed once), so a lookup is O(max - min) per step, not a scan."""
+
+    __slots__ = ("lo", "hi", "ends", "next_end")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo = lo
+        self.hi = hi
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
+        self.next_end = 1  # the next exclusive end to index
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` found (none: [])."""
+        last = len(tokens)
+        for end in range(self.next_end, last):  # every n-gram ending before the last token
+            for n in range(self.lo, min(self.hi, end) + 1):
+                self.ends[n][tuple(tokens[end - n:end])] = end
+        self.next_end = max(self.next_end, last)
+        for n in range(min(self.hi, last), self.lo - 1, -1):
+            end = self.ends[n].get(tuple(tokens[last - n:]))
+            if end is not None:
+                return tokens[end:end + k]
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class SpecDecodeStats:
+    """Counts over the engine's life (vLLM's spec_decode metrics): steps that verified drafts,
+    the drafts verified and those kept."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a drafting step gives on average: the kept drafts and the one after them."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def speculator_for(config: EngineConfig, max_model_len: int) -> Speculator | None:
+    """The engine's Speculator (None: speculative decoding off)."""
+    spec = config.speculative_config
+    return None if spec is None else Speculator(spec, max_model_len)
+
+
+class Speculator:
+    """Proposes drafts for decoding requests (at scheduling) and verifies them (after
+    sampling); the scheduler owns it, so slots and counts stay in one place."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecDecodeStats()
+
+    def propose(self, decoding: list[Request], num_running: int, budget: int) -> None:
+        """Append drafts to `decoding` requests (each's `num_drafts`), within the step's
+        token budget after one token each."""
+        c = self.config
+        if c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size:
+            return
+        spare = budget - len(decoding)
+        for req in decoding:
+            if spare <= 0:
+                break
+            if req.num_drafts or req.params.has_penalties or req.matcher is not None:
+                continue
+            if req.spec_backoff:
+                req.spec_backoff -= 1
+                continue
+            # Drafts and the token after them must fit max_tokens and max_model_len.
+            k = min(c.num_speculative_tokens, spare,
+                    req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k <= 0:
+                continue
+            if req.ngram is None:
+                req.ngram = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
+            draft = req.ngram.propose(req.token_ids, k)
+            if draft:
+                req.token_ids.extend(draft)
+                req.num_drafts = len(draft)
+                spare -= len(draft)
+
+    @staticmethod
+    def drop(req: Request) -> list[int]:
+        """Take a request's drafts out of its tokens; returns them."""
+        k = req.num_drafts
+        if not k:
+            return []
+        drafts = req.token_ids[-k:]
+        del req.token_ids[-k:]
+        req.num_drafts = 0
+        return drafts
+
+    def verify(self, req: Request, sampled: list[int]) -> tuple[list[int], int]:
+        """The tokens to append from a drafting request's k + 1 sampled rows (the drafts that
+        match, then the first row's own sample where one does not), and how many of its
+        computed tokens stay valid. Drafts are taken out of its tokens and counted."""
+        drafts = self.drop(req)
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+            accepted += 1
+        t = self.stats
+        self.stats = SpecDecodeStats(t.num_drafts + 1, t.num_draft_tokens + len(drafts),
+                                     t.num_accepted_tokens + accepted)
+        m = req.metrics
+        m.num_spec_steps += 1
+        m.num_draft_tokens += len(drafts)
+        m.num_accepted_tokens += accepted
+        if accepted:
+            req.spec_misses = 0
+        else:
+            req.spec_misses += 1
+            req.spec_backoff = min(2 ** (req.spec_misses - 1) - 1, _MAX_BACKOFF)
+        # The pending token's and the accepted drafts' K/V are valid.
+        return sampled[:accepted + 1], req.num_tokens + accepted

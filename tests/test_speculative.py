@@ -1,0 +1,225 @@
+"""Speculative decoding from the request's own tokens (prompt lookup): outputs are the tokens
+decoding without drafts gives (greedy, and sampled with a seed), against the one-pass
+reference in every layout, through chunked prefill, preemption, n > 1, stop strings,
+max_tokens inside a draft, logprobs; the pool stays whole after every step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import test_rag
+from conftest import random_prompt
+from test_rag import make_llm, plain, rag, rag_scenarios
+from test_rag import run as run_against_reference
+
+from ragkv import LLM, SamplingParams
+from ragkv.config import EngineConfig, SpeculativeConfig
+from ragkv.engine.speculative import NgramIndex
+from ragkv.structured.params import StructuredOutputsParams
+
+SPEC = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module")
+def llama(checkpoint, hf_model):
+    path = checkpoint("llama")
+    return path, hf_model(path)
+
+
+@pytest.fixture
+def longer_reference(monkeypatch):
+    """test_rag's reference checks over 20 generated tokens instead of 6, so that drafts
+    are proposed, kept and rejected within them."""
+    monkeypatch.setattr(test_rag, "MAX_TOKENS", 20)
+    monkeypatch.setattr(test_rag, "GREEDY", SamplingParams(
+        max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True))
+
+
+def _prompts() -> list:
+    # Random tokens with repeats: greedy output on the test checkpoint falls into loops and
+    # copies, so drafts are kept, cut short and rejected.
+    loop = random_prompt(6, seed=41)
+    return [plain(random_prompt(12, seed=40) + loop * 3), plain(random_prompt(30, seed=42)),
+            plain(loop * 2 + random_prompt(5, seed=43))]
+
+
+def _drafts(outs) -> tuple[int, int]:
+    return (sum(o.metrics.num_draft_tokens for o in outs),
+            sum(o.metrics.num_accepted_tokens for o in outs))
+
+
+def _same(a, b, logprobs: bool = False) -> None:
+    for x, y in zip(a, b, strict=True):
+        for cx, cy in zip(x.outputs, y.outputs, strict=True):
+            assert cx.token_ids == cy.token_ids
+            assert (cx.text, cx.finish_reason, cx.stop_reason) == (
+                cy.text, cy.finish_reason, cy.stop_reason)
+            if logprobs:
+                for ex, ey in zip(cx.logprobs, cy.logprobs, strict=True):
+                    assert ex.keys() == ey.keys()
+                    for t in ex:
+                        assert math.isclose(ex[t].logprob, ey[t].logprob, abs_tol=1e-4)
+                        assert ex[t].rank == ey[t].rank
+
+
+def _pair(path: str, **kwargs) -> tuple[LLM, LLM]:
+    return (LLM(path, debug_checks=True, **kwargs),
+            LLM(path, debug_checks=True, speculative_config=SPEC, **kwargs))
+
+
+def test_ngram_index_finds_the_latest_longest_match():
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert index.propose(tokens, 2) == [7, 5]  # the latest "1 2 3", not the first
+    assert index.propose([*tokens, 4], 3) == []  # "3 4", "4": never seen before
+    index = NgramIndex(1, 3)
+    assert index.propose([5, 6, 5], 4) == [6, 5]  # a 1-gram; the match may run into the end
+    assert index.propose([5, 6, 5, 8, 6], 2) == [5, 8]  # indexed incrementally
+    index = NgramIndex(2, 2)
+    assert index.propose([1, 2, 9, 1], 3) == []  # below prompt_lookup_min
+
+
+def test_config_is_checked():
+    assert EngineConfig(model="m", speculative_config=SPEC).speculative_config == \
+        SpeculativeConfig(**SPEC)
+    for bad, fragment in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0},
+                                                           "positive"),
+                          ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "at most"),
+                          ({"typo": 1}, "unknown setting"), ("ngram", "dict")]:
+        with pytest.raises(ValueError, match=fragment):
+            EngineConfig(model="m", speculative_config=bad)
+
+
+def test_greedy_output_and_logprobs_are_unchanged(llama):
+    path, _ = llama
+    plain_llm, spec_llm = _pair(path)
+    params = SamplingParams(max_tokens=48, temperature=0, logprobs=3)
+    want = plain_llm.generate(_prompts(), params, use_tqdm=False)
+    got = spec_llm.generate(_prompts(), params, use_tqdm=False)
+    _same(want, got, logprobs=True)
+    drafted, kept = _drafts(got)
+    assert 0 < kept < drafted  # drafts were kept and rejected
+    assert _drafts(want) == (0, 0)
+    spec_llm.check_integrity()
+
+
+def test_every_layout_cold_and_warm_against_the_reference(llama, longer_reference):
+    """The RAG scenarios of test_rag.py (cold, warm, reordered, subsets, duplicates, eviction,
+    every layout) with drafts on, each output against the one-pass reference."""
+    path, hf = llama
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, speculative_config=SPEC)
+    seen = []
+    generate = llm.generate
+    llm.generate = lambda *a, **k: seen.extend(generate(*a, **k)) or seen[-len(a[0]) if
+                                                                           isinstance(a[0], list)
+                                                                           else -1:]
+    rag_scenarios(llm, hf)
+    drafted, kept = _drafts(seen)
+    assert 0 < kept < drafted
+
+
+@pytest.mark.parametrize("recompute", ["query", "sink+blend"])
+def test_recompute_modes_are_unchanged(llama, recompute):
+    path, _ = llama
+    S = random_prompt(9, seed=1)
+    docs = [random_prompt(n, seed=10 + n) for n in (14, 22, 17)]
+    prompts = [rag(S, docs, random_prompt(5, seed=2), layout=("sequential", "isolated")),
+               rag(S, docs[::-1], random_prompt(6, seed=4), layout=("sequential", "isolated"))]
+    plain_llm, spec_llm = _pair(path, recompute=recompute, recompute_ratio=0.4,
+                                position_strategy="sequential")
+    params = SamplingParams(max_tokens=32, temperature=0)
+    for _ in range(2):  # cold, then warm
+        _same(plain_llm.generate(prompts, params, use_tqdm=False),
+              spec_llm.generate(prompts, params, use_tqdm=False))
+    spec_llm.check_integrity()
+
+
+def test_chunked_prefill_and_preemption_against_the_reference(llama, longer_reference):
+    path, hf = llama
+    # A budget of 6 tokens a step: drafts share it with prefill chunks.
+    llm = make_llm(path, kv_cache_tokens=2048, max_num_batched_tokens=6,
+                   speculative_config=SPEC)
+    outs = run_against_reference(llm, hf, _prompts())
+    assert _drafts(outs)[1] > 0
+    # A general region too small for every request: the newest are preempted, drafts and
+    # all, and recomputed.
+    llm = make_llm(path, kv_cache_tokens=160, chunk_cache_tokens=60, max_model_len=100,
+                   speculative_config=SPEC)
+    S = random_prompt(10, seed=70)
+    chunks = [random_prompt(n, seed=500 + n) for n in (25, 28, 22, 30, 26, 24, 27, 23)]
+    prompts = [rag(S, [chunks[2 * i], chunks[2 * i + 1]], random_prompt(8, seed=900 + i))
+               for i in range(4)] + [plain(random_prompt(40, seed=5 + i)) for i in range(3)]
+    outs = run_against_reference(llm, hf, prompts)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert _drafts(outs)[0] > 0
+
+
+def test_sampled_output_is_the_seeded_output_without_drafts(llama):
+    """Each row is sampled from the stream the same output index uses without drafts, so a
+    seeded sample is the same tokens, for every seed (the strongest form of "keeps the
+    target distribution"): n > 1, top-p and top-k included."""
+    path, _ = llama
+    plain_llm, spec_llm = _pair(path)
+    drafted = 0
+    for seed in range(12):
+        params = SamplingParams(n=3, max_tokens=24, temperature=0.7, top_p=0.95, top_k=50,
+                                seed=seed, logprobs=1)
+        want = plain_llm.generate(_prompts()[:2], params, use_tqdm=False)
+        got = spec_llm.generate(_prompts()[:2], params, use_tqdm=False)
+        _same(want, got, logprobs=True)
+        drafted += _drafts(got)[1]
+    assert drafted > 0
+    spec_llm.check_integrity()
+
+
+def test_stops_and_max_tokens_inside_a_draft(llama):
+    path, _ = llama
+    plain_llm, spec_llm = _pair(path)
+    base = plain_llm.generate(_prompts(), SamplingParams(max_tokens=48, temperature=0),
+                              use_tqdm=False)
+    # A stop string and a stop token that end the output where drafts were being kept.
+    text = base[0].outputs[0].text
+    stop_string = text[len(text) // 2:len(text) // 2 + 3]
+    stop_token = base[2].outputs[0].token_ids[20]
+    for params in (SamplingParams(max_tokens=48, temperature=0, stop=[stop_string]),
+                   SamplingParams(max_tokens=48, temperature=0, stop_token_ids=[stop_token]),
+                   SamplingParams(max_tokens=48, temperature=0, stop=["\x00", stop_string]),
+                   *(SamplingParams(max_tokens=m, temperature=0) for m in (1, 2, 7, 13))):
+        got = spec_llm.generate(_prompts(), params, use_tqdm=False)
+        _same(plain_llm.generate(_prompts(), params, use_tqdm=False), got)
+        if params.stop or params.stop_token_ids:
+            assert "stop" in [o.outputs[0].finish_reason for o in got]
+    spec_llm.check_integrity()
+
+
+def test_requests_that_read_their_history_do_not_draft(llama):
+    """Penalties, min_tokens and structured outputs make a row depend on the tokens before
+    it: such requests decode as usual, beside others that draft."""
+    path, _ = llama
+    plain_llm, spec_llm = _pair(path)
+    for params in (SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3),
+                   SamplingParams(max_tokens=24, temperature=0, min_tokens=20),
+                   SamplingParams(max_tokens=24, temperature=0, structured_outputs=
+                                  StructuredOutputsParams(choice=["alpha", "beta"]))):
+        got = spec_llm.generate(_prompts(), params, use_tqdm=False)
+        _same(plain_llm.generate(_prompts(), params, use_tqdm=False), got)
+        assert _drafts(got) == (0, 0)
+
+
+def test_pool_is_whole_after_every_step(llama):
+    path, _ = llama
+    llm = LLM(path, debug_checks=True, speculative_config=SPEC, kv_cache_tokens=512)
+    engine = llm.engine
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, n=2,
+                                                  seed=i), f"r{i}")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished.extend(engine.step())
+        engine.check_integrity()
+        assert all(r.num_drafts == 0 for r in engine.scheduler.running)
+    assert len(finished) == 3 and _drafts(finished)[1] > 0
+    stats = engine.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.kv_available_tokens == stats.kv_capacity_tokens
