@@ -223,3 +223,33 @@ def test_pool_is_whole_after_every_step(llama):
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.kv_available_tokens == stats.kv_capacity_tokens
+
+
+def test_server_streams_drafted_tokens_and_counts_them(checkpoint):
+    """`ragkv serve --speculative-config`: streamed and whole replies are the same tokens as
+    without drafts, and /metrics counts the drafts (ragkv: and vLLM's names)."""
+    import httpx
+    from conftest import running_server
+    from openai import OpenAI
+
+    path = checkpoint("llama")
+    prompt = "the cat sat on the mat and the cat sat on the mat and the cat"
+    want = LLM(path).generate(prompt, SamplingParams(max_tokens=40, temperature=0),
+                              use_tqdm=False)[0].outputs[0].text
+    with running_server(path, "--speculative-config", '{"num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 1}', "--vllm-metric-names") as base:
+        client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                          temperature=0)
+        chunks = client.completions.create(model=model, prompt=prompt, max_tokens=40,
+                                           temperature=0, stream=True)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert whole.choices[0].text == streamed == want
+        text = httpx.get(f"{base}/metrics", timeout=10).text
+        values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line.startswith(("ragkv:spec", "vllm:spec"))}
+        drafted = values["ragkv:spec_decode_num_draft_tokens_total"]
+        assert drafted >= values["ragkv:spec_decode_num_accepted_tokens_total"] > 0
+        assert values["vllm:spec_decode_num_draft_tokens_total"] == drafted
+        assert values["ragkv:spec_decode_num_drafts_total"] > 0

@@ -109,6 +109,7 @@ class Request:
     ngram: NgramIndex | None = None
     spec_misses: int = 0  # drafting steps in a row that kept no draft
     spec_backoff: int = 0  # decode steps left without drafts
+    spec_length: int = 0  # the next draft's length (0: num_speculative_tokens)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

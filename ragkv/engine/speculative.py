@@ -109,7 +109,7 @@ class Speculator:
                 req.spec_backoff -= 1
                 continue
             # Drafts and the token after them must fit max_tokens and max_model_len.
-            k = min(c.num_speculative_tokens, spare,
+            k = min(req.spec_length or c.num_speculative_tokens, spare,
                     req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k <= 0:
@@ -148,6 +148,13 @@ class Speculator:
         m.num_spec_steps += 1
         m.num_draft_tokens += len(drafts)
         m.num_accepted_tokens += accepted
+        # The next draft's length follows this one's: as long as what was kept, plus one
+        # (a draft kept whole: twice as long), up to num_speculative_tokens. On this CPU a
+        # row of verification costs a fifth of a decode step: rows that will be rejected are
+        # not free.
+        limit = self.config.num_speculative_tokens
+        req.spec_length = min(limit, 2 * len(drafts) if accepted == len(drafts)
+                              else accepted + 1)
         if accepted:
             req.spec_misses = 0
         else:

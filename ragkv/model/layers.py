@@ -48,10 +48,12 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-# On CPU, BLAS's `x @ W.T` path is slow for a few rows: `W @ x.T` computes the same product
-# 2-3x faster at 2-4 rows and ~10% faster end to end at batch 8-16 decode on the project's
-# machine (docs/benchmarks.md); from a few dozen rows on `x @ W.T` is as fast or faster.
-_SMALL_BATCH_ROWS = range(2, 33)
+# On CPU, with weights streamed from memory (each read once per step, as in a forward pass),
+# BLAS's `x @ W.T` costs about what one row costs up to a few rows, and `W @ x.T` twice that
+# from 2 rows on; from about 10 to 32 rows `W @ x.T` is the faster one (up to 30% on
+# builtin:small at 16 rows). Measured with torch 2.13 on the project's 2-core machine
+# (docs/benchmarks.md: "Small matmuls, streamed").
+_SMALL_BATCH_ROWS = range(9, 33)
 
 
 class Linear(nn.Module):
