@@ -193,18 +193,59 @@ def test_stops_and_max_tokens_inside_a_draft(llama):
     spec_llm.check_integrity()
 
 
-def test_requests_that_read_their_history_do_not_draft(llama):
-    """Penalties, min_tokens and structured outputs make a row depend on the tokens before
-    it: such requests decode as usual, beside others that draft."""
+def test_penalties_and_min_tokens_see_drafts_as_generated(llama):
+    """A row after drafts reads a history that counts them: penalties and min_tokens give the
+    tokens decoding without drafts gives. Structured outputs do not draft."""
     path, _ = llama
     plain_llm, spec_llm = _pair(path)
-    for params in (SamplingParams(max_tokens=24, temperature=0, repetition_penalty=1.3),
-                   SamplingParams(max_tokens=24, temperature=0, min_tokens=20),
-                   SamplingParams(max_tokens=24, temperature=0, structured_outputs=
-                                  StructuredOutputsParams(choice=["alpha", "beta"]))):
+    for params in (SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.2),
+                   SamplingParams(max_tokens=40, temperature=0, frequency_penalty=0.3,
+                                  presence_penalty=0.2),
+                   SamplingParams(max_tokens=40, temperature=0.8, seed=5,
+                                  repetition_penalty=1.1, logit_bias={7: 2.0}),
+                   SamplingParams(max_tokens=40, temperature=0, min_tokens=30,
+                                  stop_token_ids=[0, 1, 2])):
         got = spec_llm.generate(_prompts(), params, use_tqdm=False)
         _same(plain_llm.generate(_prompts(), params, use_tqdm=False), got)
-        assert _drafts(got) == (0, 0)
+        assert _drafts(got)[0] > 0, params
+    params = SamplingParams(max_tokens=24, temperature=0, structured_outputs=
+                            StructuredOutputsParams(choice=["alpha", "beta"]))
+    got = spec_llm.generate(_prompts(), params, use_tqdm=False)
+    _same(plain_llm.generate(_prompts(), params, use_tqdm=False), got)
+    assert _drafts(got) == (0, 0)
+    spec_llm.check_integrity()
+
+
+def test_each_row_after_drafts_reads_them_as_generated(llama):
+    """The history of row j of a drafting request: the output counts plus the first j drafts,
+    min_tokens counted from its own output index (so a stop token is banned exactly where
+    decoding without drafts bans it)."""
+    from ragkv.engine.speculative import Speculator
+
+    path, _ = llama
+    llm = LLM(path, speculative_config=SPEC)
+    engine = llm.engine
+    engine.add_request(_prompts()[1], SamplingParams(max_tokens=40, temperature=0,
+                                                     frequency_penalty=0.1, min_tokens=12,
+                                                     stop_token_ids=[9]), "r")
+    req = engine.scheduler.waiting[0]
+    while req.num_output_tokens < 10:
+        engine.step()
+    Speculator.drop(req)  # whatever the step left (nothing: drafts live within a step)
+    done = req.num_output_tokens
+    req.params = req.params.clone(min_tokens=done + 2)  # rows 0 and 1 early, 2 and 3 not
+    counts = dict(req.output_counts)
+    req.token_ids.extend([5, 6, 5])
+    req.num_drafts = 3
+    rows = [engine.outputs._history(req, done + j) for j in range(4)]
+    for j, extra in enumerate(({}, {5: 1}, {5: 1, 6: 1}, {5: 2, 6: 1})):
+        want = {t: counts.get(t, 0) + extra.get(t, 0) for t in {*counts, *extra}}
+        assert {t: c for t, c in rows[j].counts.items() if c} == {
+            t: c for t, c in want.items() if c}
+    assert [9 in r.banned for r in rows] == [True, True, False, False]
+    Speculator.drop(req)
+    engine.abort_request("r")
+    engine.check_integrity()
 
 
 def test_pool_is_whole_after_every_step(llama):

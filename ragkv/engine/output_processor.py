@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -74,7 +75,7 @@ class OutputProcessor:
         touched: dict[str, None] = {}
         history = None
         if any(r.params.has_penalties for r in sampled):  # never with drafts
-            keep, history = self._histories(sampled, touched)
+            keep, history = self._histories(sampled, steps, touched)
             if len(keep) < len(sampled):
                 sampled, steps = [sampled[i] for i in keep], [steps[i] for i in keep]
                 logits = logits[keep]
@@ -168,17 +169,19 @@ class OutputProcessor:
         for req in list(sched.running) + list(sched.waiting):
             sched.finish(req, RequestStatus.FINISHED_ABORTED)  # not reachable by id
 
-    def _histories(self, sampled: list[Request], touched: dict[str, None]
+    def _histories(self, sampled: list[Request], steps: list[int], touched: dict[str, None]
                    ) -> tuple[list[int], list[TokenHistory | None]]:
-        """The rows to keep and each kept row's TokenHistory; a request whose history fails
-        (its grammar's mask over budget) fails alone and leaves the batch with its rows."""
+        """The rows to keep and each kept row's TokenHistory (row j at output index
+        steps[j]); a request whose history fails (its grammar's mask over budget) fails alone
+        and leaves the batch with its rows."""
         keep: list[int] = []
         history: list[TokenHistory | None] = []
         for j, req in enumerate(sampled):
             if req.status.finished:
                 continue  # a sibling failed: no history to build, no token to sample
             try:
-                history.append(self._history(req) if req.params.has_penalties else None)
+                history.append(self._history(req, steps[j]) if req.params.has_penalties
+                               else None)
             except Exception as e:  # noqa: BLE001 (this request fails, not the step)
                 self._fail_with(req, e)
                 touched[req.parent_id] = None
@@ -186,9 +189,11 @@ class OutputProcessor:
             keep.append(j)
         return keep, history
 
-    def _history(self, req: Request) -> TokenHistory:
-        """What a request's penalties read; its prompt's distinct ids go to the device once
-        for all of a parent's samples (non-blocking: the step's forward is still running)."""
+    def _history(self, req: Request, step: int) -> TokenHistory:
+        """What a request's penalties read for its output token number `step`: a row after
+        drafts counts the drafts before it as generated (as decoding without drafts would
+        have them). Its prompt's distinct ids go to the device once for all of a parent's
+        samples (non-blocking: the step's forward is still running)."""
         prompt = None
         if req.params.repetition_penalty != 1.0:
             if req.prompt_ids_on_device is None:
@@ -200,7 +205,7 @@ class OutputProcessor:
                                        self.device)
                 req.prompt_ids_on_device = shared
             prompt = req.prompt_ids_on_device
-        early = req.num_output_tokens < req.params.min_tokens
+        early = step < req.params.min_tokens
         allowed, also, ban = None, (), early
         if req.matcher is not None:
             # Stop tokens only where the output may end (and min_tokens allows): added where
@@ -209,8 +214,12 @@ class OutputProcessor:
             ending = req.matcher.accepting and not early
             also = tuple(req.stop_ids) if ending else ()
             ban = not ending
-        return TokenHistory(req.output_counts or {}, prompt,
-                            tuple(req.stop_ids) if ban else (), allowed, also)
+        counts = req.output_counts or {}
+        drafts = step - (req.num_output_tokens - req.num_drafts)
+        if drafts and req.output_counts is not None:
+            first = req.num_tokens - req.num_drafts
+            counts = req.output_counts + Counter(req.token_ids[first:first + drafts])
+        return TokenHistory(counts, prompt, tuple(req.stop_ids) if ban else (), allowed, also)
 
     def _append_token(self, req: Request, token: int, logprob: float | None,
                       top: tuple[list[int], list[float], int] | None, now: float) -> None:

@@ -14,9 +14,10 @@ mismatch the token kept is drawn from p restricted to the tokens other than d. S
 the target distribution, and with a given seed they are the tokens decoding without drafts
 gives (greedy and sampled alike). The rejected drafts' KV slots are freed at once.
 
-Drafts are proposed only where they cannot change what the sampler sees: not for requests
-whose rows depend on the tokens before them (penalties, logit bias, min_tokens, structured
-outputs). A request whose drafts keep missing backs off (it drafts again after 1, 3, 7, 15
+A row after drafts sees them as generated: penalties count them, min_tokens counts them (the
+output processor builds each row's history). Requests with structured outputs do not draft:
+their grammar's mask at a drafted position would need the matcher advanced through the drafts
+before it. A request whose drafts keep missing backs off (it drafts again after 1, 3, 7, 15
 decode steps), so text without copying costs little.
 """
 
@@ -103,7 +104,7 @@ class Speculator:
         for req in decoding:
             if spare <= 0:
                 break
-            if req.num_drafts or req.params.has_penalties or req.matcher is not None:
+            if req.num_drafts or req.matcher is not None:
                 continue
             if req.spec_backoff:
                 req.spec_backoff -= 1
