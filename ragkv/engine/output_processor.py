@@ -207,18 +207,20 @@ class OutputProcessor:
             prompt = req.prompt_ids_on_device
         early = step < req.params.min_tokens
         allowed, also, ban = None, (), early
+        first = req.num_tokens - req.num_drafts
+        drafts = req.token_ids[first:first + step - (req.num_output_tokens - req.num_drafts)]
         if req.matcher is not None:
+            matcher = (req.matcher.at(req.matcher.states_after(drafts)[-1]) if drafts
+                       else req.matcher)
             # Stop tokens only where the output may end (and min_tokens allows): added where
             # it may, banned elsewhere (a stop token with text may fit the grammar's mask).
-            allowed = req.matcher.mask()
-            ending = req.matcher.accepting and not early
+            allowed = matcher.mask()
+            ending = matcher.accepting and not early
             also = tuple(req.stop_ids) if ending else ()
             ban = not ending
         counts = req.output_counts or {}
-        drafts = step - (req.num_output_tokens - req.num_drafts)
         if drafts and req.output_counts is not None:
-            first = req.num_tokens - req.num_drafts
-            counts = req.output_counts + Counter(req.token_ids[first:first + drafts])
+            counts = req.output_counts + Counter(drafts)
         return TokenHistory(counts, prompt, tuple(req.stop_ids) if ban else (), allowed, also)
 
     def _append_token(self, req: Request, token: int, logprob: float | None,

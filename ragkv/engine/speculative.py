@@ -14,11 +14,11 @@ mismatch the token kept is drawn from p restricted to the tokens other than d. S
 the target distribution, and with a given seed they are the tokens decoding without drafts
 gives (greedy and sampled alike). The rejected drafts' KV slots are freed at once.
 
-A row after drafts sees them as generated: penalties count them, min_tokens counts them (the
-output processor builds each row's history). Requests with structured outputs do not draft:
-their grammar's mask at a drafted position would need the matcher advanced through the drafts
-before it. A request whose drafts keep missing backs off (it drafts again after 1, 3, 7, 15
-decode steps), so text without copying costs little.
+A row after drafts sees them as generated: penalties count them, min_tokens counts them, and a
+structured output's grammar masks the row at the state the drafts before it lead to (the
+output processor builds each row's history); a draft is cut where its grammar refuses a
+token or the output is complete. A request whose drafts keep missing backs off (it drafts
+again after 1, 3, 7, 15 decode steps), so text without copying costs little.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Speculator:
         for req in decoding:
             if spare <= 0:
                 break
-            if req.num_drafts or req.matcher is not None:
+            if req.num_drafts:
                 continue
             if req.spec_backoff:
                 req.spec_backoff -= 1
@@ -118,6 +118,8 @@ class Speculator:
             if req.ngram is None:
                 req.ngram = NgramIndex(c.prompt_lookup_min, c.prompt_lookup_max)
             draft = req.ngram.propose(req.token_ids, k)
+            if draft and req.matcher is not None:  # what the grammar refuses cannot be kept
+                draft = draft[:len(req.matcher.states_after(draft))]
             if draft:
                 req.token_ids.extend(draft)
                 req.num_drafts = len(draft)

@@ -218,6 +218,26 @@ class GrammarMatcher:
     def mask(self) -> torch.Tensor:
         return self.grammar.mask(self.state)
 
+    def states_after(self, tokens: list[int]) -> list[int]:
+        """The states after each of `tokens` in turn from this one, as far as the grammar
+        takes them: up to the first it refuses or the first after a complete output
+        (speculative drafts: the part worth verifying, and each drafted row's state)."""
+        states, state = [], self.state
+        for token in tokens:
+            if self.grammar.terminal(state):
+                break
+            state = self.grammar.advance(state, token)
+            if state < 0:
+                break
+            states.append(state)
+        return states
+
+    def at(self, state: int) -> GrammarMatcher:
+        """A matcher of the same grammar at `state` (one of `states_after`)."""
+        other = GrammarMatcher(self.grammar)
+        other.state = state
+        return other
+
 
 class StructuredOutputs:
     """An engine's grammars: the vocabulary trie (built on first use) and one TokenGrammar
