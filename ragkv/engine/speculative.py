@@ -30,6 +30,11 @@ from .request import Request
 
 # Longest back-off of a request whose drafts keep missing, in decode steps.
 _MAX_BACKOFF = 15
+# A request's first draft, and the shortest after a miss: verifying 2 drafts (3 rows) costs
+# about what a decode step costs where the step is bound by reading the weights (a GPU; this
+# 2-core CPU up to 3 rows, docs/benchmarks.md "Small matmuls, streamed"), 4 and more twice
+# that on the CPU; a draft kept whole doubles the next one.
+SHORT_DRAFT = 2
 
 
 class NgramIndex:
@@ -110,7 +115,7 @@ class Speculator:
                 req.spec_backoff -= 1
                 continue
             # Drafts and the token after them must fit max_tokens and max_model_len.
-            k = min(req.spec_length or c.num_speculative_tokens, spare,
+            k = min(req.spec_length or min(SHORT_DRAFT, c.num_speculative_tokens), spare,
                     req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k <= 0:
@@ -152,12 +157,10 @@ class Speculator:
         m.num_draft_tokens += len(drafts)
         m.num_accepted_tokens += accepted
         # The next draft's length follows this one's: as long as what was kept, plus one
-        # (a draft kept whole: twice as long), up to num_speculative_tokens. On this CPU a
-        # row of verification costs a fifth of a decode step: rows that will be rejected are
-        # not free.
-        limit = self.config.num_speculative_tokens
-        req.spec_length = min(limit, 2 * len(drafts) if accepted == len(drafts)
-                              else accepted + 1)
+        # (a draft kept whole: twice as long), from SHORT_DRAFT up to num_speculative_tokens.
+        req.spec_length = min(self.config.num_speculative_tokens,
+                              2 * len(drafts) if accepted == len(drafts)
+                              else max(SHORT_DRAFT, accepted + 1))
         if accepted:
             req.spec_misses = 0
         else:
