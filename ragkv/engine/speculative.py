@@ -17,8 +17,9 @@ gives (greedy and sampled alike). The rejected drafts' KV slots are freed at onc
 A row after drafts sees them as generated: penalties count them, min_tokens counts them, and a
 structured output's grammar masks the row at the state the drafts before it lead to (the
 output processor builds each row's history); a draft is cut where its grammar refuses a
-token or the output is complete. A request whose drafts keep missing backs off (it drafts
-again after 1, 3, 7, 15 decode steps), so text without copying costs little.
+token or the output is complete. A request whose drafts keep missing backs off (from the
+second miss in a row it skips 1, then 3, 7 and at most 15 decode steps), so text without
+copying costs little.
 """
 
 from __future__ import annotations
