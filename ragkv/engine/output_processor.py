@@ -74,7 +74,7 @@ class OutputProcessor:
                 steps.extend(range(done, done + req.num_drafts + 1))
         touched: dict[str, None] = {}
         history = None
-        if any(r.params.has_penalties for r in sampled):  # never with drafts
+        if any(r.params.has_penalties for r in sampled):
             keep, history = self._histories(sampled, steps, touched)
             if len(keep) < len(sampled):
                 sampled, steps = [sampled[i] for i in keep], [steps[i] for i in keep]

@@ -18,14 +18,14 @@ _TEMPLATE_CALLS_TOOLS: dict[str, bool] = {}  # by template text
 _MAX_TEMPLATES = 64
 
 
-def check_tools(tools: object) -> list[dict]:
-    """`tools` as OpenAI's list of {"type": "function", "function": {"name", "description",
-    "parameters"}}, checked: names as OpenAI allows them and unique, parameters a JSON schema
-    object. Returns the function definitions (the "function" objects)."""
+def check_tools(tools: object) -> None:
+    """Check `tools` is OpenAI's list of {"type": "function", "function": {"name",
+    "description", "parameters"}}: names as OpenAI allows them and unique, parameters a JSON
+    schema object; raises ValueError naming the first that is not."""
     if not isinstance(tools, (list, tuple)) or not tools:
         raise ValueError("tools must be a non-empty list of {'type': 'function', 'function': "
                          "{...}} objects")
-    functions, names = [], set()
+    names = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn,
@@ -42,8 +42,6 @@ def check_tools(tools: object) -> list[dict]:
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ValueError(f"tools[{i}].function.description must be a string")
-        functions.append(fn)
-    return functions
 
 
 def tool_fields(message: dict, where: str) -> dict:
