@@ -100,6 +100,10 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    # vLLM's flag: "gguf" keeps a GGUF file's 4-bit weights packed (int4 kernels, bfloat16
+    # activations), "none" dequantizes every weight at load; None picks the faster one for the
+    # device and file (model/loader.py: use_int4).
+    quantization: str | None = None
     device: str = "auto"
     seed: int = 0
     kv_cache_tokens: int | None = None
@@ -198,6 +202,9 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
+        if self.quantization not in (None, "gguf", "none"):
+            raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got "
+                             f"{self.quantization!r}")
         if not isinstance(self.max_chunk_tokens, int) or self.max_chunk_tokens < 1:
             raise ValueError(f"max_chunk_tokens must be a positive integer, got "
                              f"{self.max_chunk_tokens!r}")
@@ -307,8 +314,10 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def resolve_dtype(config: EngineConfig, device: torch.device,
-                  checkpoint_dtype: torch.dtype | None) -> torch.dtype:
-    """`auto` is float32 on CPU (fast and exact there) and the checkpoint's dtype elsewhere."""
+                  checkpoint_dtype: object) -> torch.dtype:
+    """`auto` is float32 on CPU (fast and exact there) and the checkpoint's dtype elsewhere
+    (`checkpoint_dtype`: what its config names, parse_torch_dtype)."""
+    checkpoint_dtype = parse_torch_dtype(checkpoint_dtype)
     if config.dtype != "auto":
         return _DTYPES[config.dtype]
     if device.type == "cpu":

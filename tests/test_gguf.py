@@ -296,8 +296,12 @@ def same_config(gguf_mc, hf_mc) -> None:
 def test_gguf_family_matches_hf_plain_and_rag(family, gguf_case, checkpoint):
     path, hf = gguf_case(family)
     hf_dir = checkpoint(family)
-    llm = LLM(path, tokenizer=hf_dir, max_num_batched_tokens=512, position_strategy="shared")
+    # Dequantized weights (quantization="none"): the HF model holds the same values; packed
+    # weights (test_quantized_linear.py) compute them in bfloat16.
+    llm = LLM(path, tokenizer=hf_dir, max_num_batched_tokens=512, position_strategy="shared",
+              quantization="none")
     assert llm.engine.checkpoint.format == "gguf"
+    assert llm.engine.weights.int4_layers == 0
     same_config(llm.engine.model_config, inspect_checkpoint(hf_dir).model_config)
     plain = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (4, 37)]
     for prompt, out in zip(plain, llm.generate(plain, GREEDY, use_tqdm=False), strict=True):
@@ -323,7 +327,7 @@ def test_gguf_tokenizer_and_chat_template_from_metadata(gguf_case, checkpoint, t
     monkeypatch.setenv("RAGKV_CACHE_DIR", str(tmp_path))
     path, hf = gguf_case("llama")
     hf_tok = load_tokenizer(checkpoint("llama"))
-    llm = LLM(path)
+    llm = LLM(path, quantization="none")  # HF holds the dequantized weights
     tok = llm.engine.tokenizer
     again = load_tokenizer(path)  # from the cache this time
     assert len(list((tmp_path / "gguf-tokenizers").iterdir())) == 1

@@ -243,3 +243,42 @@ def test_the_shipped_profile_is_the_default_and_warm_equals_cold(llm, tmp_path, 
     assert (off.generate([first], params, use_tqdm=False)[0].outputs[0].token_ids
             == cold.outputs[0].token_ids)
     default.check_integrity()
+
+
+def test_packed_weights_by_default_close_to_dequantized(llm):
+    """The default engine keeps the file's Q4_1/Q8_0 weights packed (quantization auto on CPU):
+    every linear layer and the tied embedding, in at most 1.5x the file's bytes. Its greedy
+    answer follows the dequantized float32 one wherever that one's top two log-probabilities
+    are 0.2 apart (bfloat16 rounding moves them by less), and in the default RAG mode its warm
+    answer equals its cold one."""
+    packed = LLM(model=MODEL, device="cpu", max_model_len=1024, position_strategy="shared")
+    assert packed.engine.weights.int4_layers == 4 * 30 + 1
+    assert packed.engine.weights.weight_bytes <= 1.5 * os.path.getsize(resolve_model_path(MODEL))
+    messages = [{"role": "user", "content": "Name three primary colors and describe each."}]
+    prompt = llm.engine.process_chat(messages)
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = packed.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    agreed = 0
+    for i, (token, step) in enumerate(zip(want.token_ids, want.logprobs, strict=True)):
+        top = sorted((lp.logprob for lp in step.values()), reverse=True)
+        if top[0] - top[1] < 0.2:
+            break
+        assert got.token_ids[i] == token, (i, got.text, want.text)
+        agreed += 1
+    assert agreed >= 8, (agreed, got.text, want.text)
+    default = LLM(model=MODEL, device="cpu", max_model_len=1024)
+    assert default.engine.weights.int4_layers > 0
+    docs = ["The Zorbian council meets every ninth day in the copper hall of Veltra.",
+            "Veltra's copper hall was built by the engineer Amsel Roch in 1821.",
+            "Tea in Veltra is brewed with dried juniper and a pinch of salt."]
+    question = [{"role": "user", "content": "Who built the hall where the council meets?"}]
+    outs = []
+    for order in ([0, 1, 2], [2, 1, 0], [0, 1, 2]):
+        rag = default.engine.process_chat(question, documents=[docs[i] for i in order])
+        outs.append(default.generate([rag], SamplingParams(max_tokens=12, temperature=0.0),
+                                     use_tqdm=False)[0])
+    assert outs[2].metrics.num_chunk_hits == 3
+    assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    packed.check_integrity()
+    default.check_integrity()

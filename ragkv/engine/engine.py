@@ -26,11 +26,11 @@ from ..cache.kv_manager import KVCacheManager
 from ..cache.kv_pool import KVPool, SlotAllocator, model_len_limit, size_pool
 from ..cache.store.format import ChunkMeta
 from ..cache.store.tiered import build_chunk_store
-from ..config import EngineConfig, parse_torch_dtype, resolve_device, resolve_dtype
+from ..config import EngineConfig, resolve_device, resolve_dtype
 from ..inputs.prompt import ChunkedPrompt
 from ..inputs.token_cache import TokenCache, TokenCacheStats
 from ..model.llama import CausalLM
-from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights
+from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights, use_int4
 from ..model.runner import ModelRunner
 from ..outputs import RequestOutput
 from ..recompute.policy import check_layers_for
@@ -76,12 +76,14 @@ class Engine:
         self.config = config
         logger.info("RAG default: %s", self.describe_rag_default())
         self.device = resolve_device(config)
-        self.dtype = resolve_dtype(config, self.device, parse_torch_dtype(checkpoint.torch_dtype))
+        int4 = use_int4(config, checkpoint, self.device)
+        self.dtype = resolve_dtype(config, self.device, checkpoint.torch_dtype)
+        # Packed 4-bit weights compute other values than dequantized ones: other chunk KV.
+        weights_id = checkpoint.fingerprint + "+int4" * int4
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
         max_len = model_len_limit(config, mc.max_context_len, mc.sliding_window)
-        self.model = CausalLM(mc, max_len, self.dtype, self.device)
-        load_weights(self.model, checkpoint)
-        self.model.eval()
+        self.model = CausalLM(mc, max_len, self.dtype, self.device).eval()
+        self.weights = load_weights(self.model, checkpoint, int4)
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                            self.dtype)
         size = size_pool(config, per_token, self.device, max_len)
@@ -93,7 +95,7 @@ class Engine:
         self.structured = StructuredOutputs(self.tokenizer, mc.vocab_size)
         self.eos_token_ids = frozenset(set(checkpoint.eos_token_ids)
                                        | {self.tokenizer.eos_token_id} - {None})
-        keys = (ChunkKeys(checkpoint.fingerprint, self.dtype, config.chunk_hash_algo)
+        keys = (ChunkKeys(weights_id, self.dtype, config.chunk_hash_algo)
                 if config.enable_chunk_cache else None)
         # Built before the pool and the runner: it refuses settings the model cannot serve.
         self.inputs = InputProcessor(config, mc, self.tokenizer, self.max_model_len,
@@ -112,7 +114,7 @@ class Engine:
         self.chunk_cache = None
         if config.enable_chunk_cache:
             self.chunk_cache = ChunkCache(SlotAllocator(size.general_end, size.num_slots),
-                                          self.chunk_store, self.pool, checkpoint.fingerprint)
+                                          self.chunk_store, self.pool, weights_id)
         # Chunks offloaded by sleep(), restored into the pool by wake_up().
         self._asleep: list | None = None
         debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"

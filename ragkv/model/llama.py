@@ -17,6 +17,7 @@ from .backends import triton_ops
 from .backends.base import AttentionBackend, AttentionMetadata
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 from .model_config import ModelConfig
+from .quantized_linear import Int4Linear
 
 
 class Attention(nn.Module):
@@ -108,6 +109,27 @@ class CausalLM(nn.Module):
                         else empty_param(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(mc.head_dim, mc.rope, mc.max_position_embeddings, max_len,
                                       dtype, device)
+        # The embedding and the LM head held packed (`--quantization gguf`), or None.
+        self.packed_embedding: Int4Linear | None = None
+        self.packed_head: Int4Linear | None = None
+        self.dtype = dtype
+
+    def pack_embedding(self, layer: Int4Linear) -> None:
+        """Read token embeddings from `layer`'s packed rows (and, tied, the logits)."""
+        self.packed_embedding = layer
+        self.embed_tokens = None
+        if self.config.tie_word_embeddings:
+            self.packed_head = layer
+
+    def pack_head(self, layer: Int4Linear) -> None:
+        self.packed_head = layer
+        self.lm_head = None
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens [len(ids), hidden]: the residual stream's start."""
+        if self.packed_embedding is not None:
+            return self.packed_embedding.rows(ids, self.dtype)
+        return self.embed_tokens[ids]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
@@ -121,9 +143,11 @@ class CausalLM(nn.Module):
         def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
             return attn.forward(x, cos, sin, i, pool, meta, backend, key_rope)
 
-        h, residual = self.run_layers(self.embed_tokens[input_ids], attend)
+        h, residual = self.run_layers(self.embed(input_ids), attend)
         h = self.norm.forward(residual[logits_indices] + h[logits_indices])
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.packed_head is not None:
+            return self.packed_head.forward(h).float()
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         return torch.nn.functional.linear(h, head).float()
 
     def run_layers(self, residual: torch.Tensor,

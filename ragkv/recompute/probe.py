@@ -173,7 +173,7 @@ class ProbeWork:
             return attn.o_proj.forward(out.reshape(n, -1))
 
         ids = torch.tensor(self.token_ids[p0:p1], device=device)
-        model.run_layers(model.embed_tokens[ids], attend)
+        model.run_layers(model.embed(ids), attend)
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..quantized_linear import Int4Rows
+
 QK_K = 256  # values per K-quant super-block
 
 
@@ -50,16 +52,19 @@ def _q4_1(b: torch.Tensor) -> torch.Tensor:
     return _f16(b, 0) * _nibbles(b[:, 4:20]).float() + _f16(b, 2)
 
 
+def _q5(low: torch.Tensor, high_bits: torch.Tensor) -> torch.Tensor:
+    """5-bit values from 16 bytes of low nibbles and 4 bytes (32 bits) of fifth bits."""
+    return _nibbles(low) | (_bits(high_bits) << 4)
+
+
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     # d | 32 high bits (uint32) | 16 bytes of low nibbles; x = d * (q - 16)
-    q = _nibbles(b[:, 6:22]) | (_bits(b[:, 2:6]) << 4)
-    return _f16(b, 0) * (q.float() - 16)
+    return _f16(b, 0) * (_q5(b[:, 6:22], b[:, 2:6]).float() - 16)
 
 
 def _q5_1(b: torch.Tensor) -> torch.Tensor:
     # d, m | 32 high bits | 16 bytes of low nibbles; x = d * q + m
-    q = _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8]) << 4)
-    return _f16(b, 0) * q.float() + _f16(b, 2)
+    return _f16(b, 0) * _q5(b[:, 8:24], b[:, 4:8]).float() + _f16(b, 2)
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -93,12 +98,17 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, QK_K)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
-    # d, dmin | 12 bytes of scales/mins | 32 bytes of high bits | 128 bytes of low nibbles;
-    # bit i of high byte l is the fifth bit of value l of sub-block i
-    scales, mins = _k_scales(b[:, 4:16])
+def _q5_k_values(b: torch.Tensor) -> torch.Tensor:
+    # 32 bytes of high bits | 128 bytes of low nibbles (from byte 16); bit i of high byte l is
+    # the fifth bit of value l of sub-block i
     high = (b[:, 16:48].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8).view(1, 8, 1)) & 1
-    q = (_k_low_nibbles(b[:, 48:176]) | (high << 4)).float()
+    return _k_low_nibbles(b[:, 48:176]) | (high << 4)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    # d, dmin | 12 bytes of scales/mins | the 5-bit values; 8 sub-blocks of 32
+    scales, mins = _k_scales(b[:, 4:16])
+    q = _q5_k_values(b).float()
     x = (_f16(b, 0) * scales).unsqueeze(-1) * q - (_f16(b, 2) * mins).unsqueeze(-1)
     return x.reshape(-1, QK_K)
 
@@ -115,6 +125,48 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
     x = (_f16(b, 208) * scales).unsqueeze(-1) * q.reshape(-1, 16, 16)
     return x.reshape(-1, QK_K)
+
+
+def _k_ints(b: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K/Q5_K sub-block j: x = (d sc_j) q - dmin m_j."""
+    scales, mins = _k_scales(b[:, 4:16])
+    return q.reshape(-1, 32), (_f16(b, 0) * scales).reshape(-1, 1), \
+        (-_f16(b, 2) * mins).reshape(-1, 1)
+
+
+# GGML type id -> (planes, decoder to (integers q, scale, offset) per 32-value group, the
+# value being scale * q + offset): the types a layer keeps packed (quantized_linear.py).
+_INT_DECODERS: dict[int, tuple[int, Callable[[torch.Tensor], tuple[torch.Tensor, ...]]]] = {
+    2: (1, lambda b: (_nibbles(b[:, 2:18]), _f16(b, 0), -8 * _f16(b, 0))),  # Q4_0
+    3: (1, lambda b: (_nibbles(b[:, 4:20]), _f16(b, 0), _f16(b, 2))),  # Q4_1
+    6: (2, lambda b: (_q5(b[:, 6:22], b[:, 2:6]), _f16(b, 0), -16 * _f16(b, 0))),  # Q5_0
+    7: (2, lambda b: (_q5(b[:, 8:24], b[:, 4:8]), _f16(b, 0), _f16(b, 2))),  # Q5_1
+    8: (2, lambda b: (b[:, 2:34].contiguous().view(torch.int8), _f16(b, 0),  # Q8_0
+                      torch.zeros(len(b), 1))),
+    12: (1, lambda b: _k_ints(b, _k_low_nibbles(b[:, 16:144]))),  # Q4_K
+    13: (2, lambda b: _k_ints(b, _q5_k_values(b))),  # Q5_K
+}
+
+
+def packed_planes(type_id: int) -> int:
+    """How many 4-bit planes a layer needs to hold a tensor of this type; 0: it cannot
+    (float types, Q6_K's 16-value groups)."""
+    return _INT_DECODERS[type_id][0] if type_id in _INT_DECODERS else 0
+
+
+def int4_rows(raw: torch.Tensor, type_id: int, shape: tuple[int, int]) -> Int4Rows:
+    """Decode a tensor of a type with `packed_planes` into `Int4Rows` of `shape` [rows, K],
+    nothing rounded: `.dequantize()` equals `dequantize()` up to float32 rounding of the zero
+    (offset + 8 * scale)."""
+    if type_id not in _INT_DECODERS:
+        raise ValueError(f"GGML type {type_id} cannot be held packed")
+    tt = SUPPORTED_TENSOR_TYPES[type_id]
+    if raw.numel() != tensor_nbytes(type_id, shape):
+        raise ValueError(f"{tt.name} tensor of shape {shape} needs "
+                         f"{tensor_nbytes(type_id, shape)} bytes, got {raw.numel()}")
+    planes, decode = _INT_DECODERS[type_id]
+    q, scale, offset = decode(raw.reshape(-1, tt.type_size))
+    return Int4Rows.of_ints(q.reshape(shape), scale, offset, planes)
 
 
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

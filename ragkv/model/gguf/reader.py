@@ -25,7 +25,14 @@ import torch
 from ..file_digest import cache_root, file_digest
 from ..layers import rope_inv_freq
 from ..model_config import ModelConfig
-from .quants import SUPPORTED_TENSOR_TYPES, dequantize, supported_type_names, tensor_nbytes
+from ..quantized_linear import Int4Rows
+from .quants import (
+    SUPPORTED_TENSOR_TYPES,
+    dequantize,
+    int4_rows,
+    supported_type_names,
+    tensor_nbytes,
+)
 
 # GGUF general.architecture -> (HF architecture, whether llama.cpp's converter permuted the rows
 # of Q and K). The converter reorders Llama/Mistral Q/K rows from HF's rotate-half layout to the
@@ -146,8 +153,10 @@ def read_gguf(path: str) -> GGUFFile:
     )
 
 
-def gguf_weights(ckpt: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every weight, dequantized one at a time."""
+def gguf_weights(ckpt: GGUFFile, int4: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor | Int4Rows]]:
+    """(HF name, float32 tensor) for every weight, dequantized one at a time; the weights named
+    in `int4` (of a 4-bit type, `INT4_TYPES`) come as `Int4Rows` instead, nothing rounded."""
     mc = ckpt.model_config
     with open(ckpt.path, "rb") as f:
         for t in ckpt.tensors:
@@ -156,7 +165,11 @@ def gguf_weights(ckpt: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             if f.readinto(buf) != t.nbytes:
                 raise ValueError(f"{ckpt.path!r} ends inside tensor {t.name} (file truncated "
                                  "after it was inspected?)")
-            weight = dequantize(torch.frombuffer(buf, dtype=torch.uint8), t.type_id, t.shape)
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+            if t.hf_name in int4:
+                weight = int4_rows(raw, t.type_id, t.shape)
+            else:
+                weight = dequantize(raw, t.type_id, t.shape)
             if ckpt.permuted_qk and ".attn_q." in t.name:
                 weight = _unpermute_rows(weight, mc.num_heads)
             elif ckpt.permuted_qk and ".attn_k." in t.name:
@@ -439,12 +452,15 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{layer}.{_BLOCK_PARTS[part]}.{suffix}"
 
 
-def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def _unpermute_rows(weight: torch.Tensor | Int4Rows, num_heads: int) -> torch.Tensor | Int4Rows:
     """Undo llama.cpp's `permute`, which within each head moved row pairs (i, i + d/2) next to
     each other (rotate-half -> interleaved RoPE layout)."""
-    rows = weight.shape[0]
-    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-            .transpose(1, 2).reshape(weight.shape))
+    rows = weight.q.shape[0] if isinstance(weight, Int4Rows) else weight.shape[0]
+    order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2)
+    order = order.transpose(1, 2).reshape(rows)
+    if isinstance(weight, Int4Rows):
+        return weight.permute_rows(order)
+    return weight[order]
 
 
 def _float_type(type_ids) -> str | None:

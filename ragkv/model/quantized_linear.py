@@ -1,0 +1,194 @@
+"""Linear layers that keep a GGUF file's quantized weights quantized (`--quantization gguf`).
+
+GGUF's Q4_0, Q4_1 and Q4_K store, per group of 32 input values, 4-bit integers q with one scale
+and one offset. That is the form torch's CPU int4 weight-only matmul takes
+(`_weight_int4pack_mm_for_cpu`, the kernel torchao serves int4 with): w = (q - 8) * scale +
+zero, q in 0..15. Q8_0, Q5_0, Q5_1 and Q5_K hold wider integers q = 16 h + l per group, which
+split exactly into two such 4-bit planes, l (scale s) and h + 8 (scale 16 s), summed by running
+the kernel over the input twice along K. So every value stays what the file says, at 0.625
+bytes per 4-bit value (1.25 per 8-bit one) instead of 4, and a decode step streams a sixth of
+the float32 bytes.
+
+Numerics (docs/quantization.md): y = x @ W.T with x and y rounded to bfloat16, W being the
+file's values with scale and zero rounded to bfloat16. A step of at most `KERNEL_MAX_ROWS` rows
+(decode, speculative verification, small batches) runs the kernel (float32 products, a few
+bfloat16 roundings inside); larger steps (prefill) dequantize the layer to float32 and run a
+dense float32 matmul between the same roundings of x and y, 2x faster than the kernel there on
+this CPU. Both stay within 2^-8 (|x| @ |W|.T + |y|) of the float32 matmul of the dequantized
+weights (tests/test_quantized_linear.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32  # values per scale/zero pair (GGML's block, a K-quant's sub-block)
+BLOCK_ROWS = 64  # the packed layout interleaves rows in blocks of 64 (see `_unpacked`)
+_INNER_K_TILES = 2  # the packed layout's tiling along K (the kernel's innerKTiles)
+# Up to this many rows the int4 kernel is faster than dequantizing the layer and a dense
+# float32 matmul; above it, the other way round (measured on the project's 2-core AVX-512 CPU,
+# SmolLM2's shapes: benchmarks/bench_quantized.py, docs/benchmarks.md).
+KERNEL_MAX_ROWS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Rows:
+    """Rows of a weight as the kernel takes them: w = sum over planes p of (q_p - 8) * scale_p +
+    zero_p, plane p being columns p*K .. (p+1)*K of `q` (and its groups of scale/zero)."""
+
+    q: torch.Tensor  # uint8 [rows, planes * K], values 0..15
+    scale: torch.Tensor  # float32 [rows, planes * K // GROUP_SIZE]
+    zero: torch.Tensor  # float32 [rows, planes * K // GROUP_SIZE]
+    planes: int = 1
+
+    @classmethod
+    def of_ints(cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                planes: int) -> Int4Rows:
+        """The rows whose values are scale * q + offset per 32-value group, q integers in
+        0..15 (planes 1) or -128..127 (planes 2: q = 16 h + l, h = q >> 4)."""
+        rows, cols = q.shape
+        s = scale.reshape(rows, -1)
+        z = offset.reshape(rows, -1)
+        if planes == 1:
+            return cls(q.to(torch.uint8), s, z + 8 * s)
+        q = q.to(torch.int16)
+        low, high = q & 15, (q >> 4) + 8  # scale*l + 16*scale*h + offset
+        return cls(torch.cat([low, high], dim=1).to(torch.uint8), torch.cat([s, 16 * s], dim=1),
+                   torch.cat([z + 8 * s, torch.zeros_like(z)], dim=1), 2)
+
+    def with_planes(self, planes: int) -> Int4Rows:
+        """The same values over `planes` planes (an empty plane: q 8, scale 0, zero 0)."""
+        if planes == self.planes:
+            return self
+        pad = planes - self.planes
+        return Int4Rows(torch.cat([self.q, torch.full_like(self.q, 8).repeat(1, pad)], dim=1),
+                        torch.cat([self.scale, torch.zeros_like(self.scale).repeat(1, pad)], 1),
+                        torch.cat([self.zero, torch.zeros_like(self.zero).repeat(1, pad)], 1),
+                        planes)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [rows, K] these rows stand for."""
+        rows = self.q.shape[0]
+        q = self.q.float().view(rows, -1, GROUP_SIZE) - 8
+        w = q * self.scale.unsqueeze(-1) + self.zero.unsqueeze(-1)
+        return w.reshape(rows, self.planes, -1).sum(dim=1)
+
+    def permute_rows(self, order: torch.Tensor) -> Int4Rows:
+        return Int4Rows(self.q[order], self.scale[order], self.zero[order], self.planes)
+
+
+def int4_supported(in_features: int, out_features: int, device: torch.device) -> bool:
+    """Whether a layer of this shape can be held packed on `device` (whole groups of inputs,
+    whole blocks of rows)."""
+    return (device.type == "cpu" and in_features % GROUP_SIZE == 0
+            and out_features % BLOCK_ROWS == 0)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W held as packed 4-bit planes and per-group scale/zero.
+
+    Loaded in row ranges (`load`, as a fused q/k/v or gate/up destination is), then `pack()`ed
+    once every range is in; the staging tensors are freed there. A tied embedding reads its
+    rows from the same packed values (`rows`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
+                 planes: int) -> None:
+        super().__init__()
+        if not int4_supported(in_features, out_features, torch.device("cpu")):
+            raise ValueError(f"no int4 kernel for a [{out_features}, {in_features}] layer")
+        self.in_features, self.out_features, self.planes = in_features, out_features, planes
+        self.bias = bias
+        width = planes * in_features
+        self._q: torch.Tensor | None = torch.empty(out_features, width, dtype=torch.uint8)
+        self._scale_zero = torch.empty(width // GROUP_SIZE, out_features, 2)
+        self._loaded = torch.zeros(out_features, dtype=torch.bool)
+        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self.register_buffer("scale_zero", torch.empty(0, dtype=torch.bfloat16),
+                             persistent=False)
+
+    def load(self, offset: int, rows: Int4Rows) -> None:
+        if self._q is None:
+            raise RuntimeError("Int4Linear is already packed")
+        rows = rows.with_planes(self.planes)
+        n = rows.q.shape[0]
+        if rows.q.shape[1] != self._q.shape[1] or offset + n > self.out_features:
+            raise ValueError(f"int4 rows of {rows.q.shape[1] // rows.planes} inputs at row "
+                             f"{offset} do not fit a [{self.out_features}, {self.in_features}] "
+                             "layer")
+        self._q[offset:offset + n] = rows.q
+        self._scale_zero[:, offset:offset + n, 0] = rows.scale.t()
+        self._scale_zero[:, offset:offset + n, 1] = rows.zero.t()
+        self._loaded[offset:offset + n] = True
+
+    def pack(self) -> None:
+        if self._q is None:
+            return
+        if not bool(self._loaded.all()):  # a row range no checkpoint tensor filled
+            raise ValueError("Int4Linear packed before all of its rows were loaded")
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            self._q.to(torch.int32), _INNER_K_TILES)
+        self.scale_zero = self._scale_zero.to(torch.bfloat16)
+        self._q = self._scale_zero = self._loaded = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            xb = x2.to(torch.bfloat16)
+            if self.planes > 1:
+                xb = xb.repeat(1, self.planes)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xb.contiguous(), self.packed, GROUP_SIZE, self.scale_zero).to(x.dtype)
+        else:
+            # The kernel's rounding (bfloat16 in and out) on the dense float32 matmul, so a
+            # row's values stay within a bfloat16 step or two whichever path its step takes (a
+            # warm request's question is a small step, the same tokens cold a large one).
+            xb = x2.to(torch.bfloat16).float()
+            out = (xb @ self.dequantize_t()).to(torch.bfloat16).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _unpacked(self) -> torch.Tensor:
+        """The 4-bit values, uint8 [planes * K, N] (W.T's layout). The packed bytes are
+        [N / 64, planes * K, 32]: byte (b, k, j) holds row 64b + j's value at k in its low
+        nibble and row 64b + 32 + j's in its high one."""
+        width, n = self.planes * self.in_features, self.out_features
+        packed = self.packed.view(n // BLOCK_ROWS, width, BLOCK_ROWS // 2).permute(1, 0, 2)
+        q = torch.empty(width, n // BLOCK_ROWS, BLOCK_ROWS, dtype=torch.uint8)
+        torch.bitwise_and(packed, 15, out=q[..., :BLOCK_ROWS // 2])
+        torch.bitwise_right_shift(packed, 4, out=q[..., BLOCK_ROWS // 2:])
+        return q.view(width, n)
+
+    def dequantize_t(self) -> torch.Tensor:
+        """W.T [K, N] in float32, from the packed values and the held (bfloat16) scales."""
+        q = self._unpacked().view(-1, GROUP_SIZE, self.out_features)
+        scale = self.scale_zero[..., 0].float().unsqueeze(1)
+        zero = self.scale_zero[..., 1].float().unsqueeze(1)
+        w = torch.addcmul(zero - 8 * scale, q.float(), scale)
+        return w.reshape(self.planes, self.in_features, self.out_features).sum(dim=0)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of W [len(ids), K] as `dtype` (an embedding lookup)."""
+        width = self.planes * self.in_features
+        blocks = self.packed.view(-1, width, BLOCK_ROWS // 2)
+        inner = ids % BLOCK_ROWS
+        packed = blocks[ids // BLOCK_ROWS, :, inner % (BLOCK_ROWS // 2)]  # [len(ids), width]
+        shift = (inner >= BLOCK_ROWS // 2).to(torch.uint8).mul_(4).unsqueeze(1)
+        q = ((packed >> shift) & 15).float().view(len(ids), -1, GROUP_SIZE)
+        scale_zero = self.scale_zero[:, ids].float()  # [groups, len(ids), 2]
+        scale = scale_zero[..., 0].t().unsqueeze(-1)
+        zero = scale_zero[..., 1].t().unsqueeze(-1)
+        w = torch.addcmul(zero - 8 * scale, q, scale)
+        return w.reshape(len(ids), self.planes, self.in_features).sum(dim=1).to(dtype)
+
+    def weight_bytes(self) -> int:
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scale_zero.numel() * self.scale_zero.element_size())
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, {self.planes} int4 plane(s), groups of "
+                f"{GROUP_SIZE}")

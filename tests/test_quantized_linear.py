@@ -1,0 +1,205 @@
+"""Quantized GGUF weights held packed (`quantization="gguf"`, model/quantized_linear.py).
+
+Per type: the packed form holds exactly the file's values. Per layer: the kernel path (small
+steps) and the dequantized path (large steps) compute x @ W.T with x and y in bfloat16, checked
+against the float32 matmul of the dequantized weights within the bound that rounding implies.
+End to end: tiny GGUF files of several types and families (tests/test_gguf.py) against the
+same file with dequantized weights (quantization="none"), RAG warm against cold, and the rules
+that choose the path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_prompt
+from test_gguf import _gguf_case, random_raw
+
+from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv.config import EngineConfig
+from ragkv.model.gguf.quants import SUPPORTED_TENSOR_TYPES, dequantize, int4_rows, packed_planes
+from ragkv.model.loader import inspect_checkpoint, use_int4
+from ragkv.model.quantized_linear import KERNEL_MAX_ROWS, Int4Linear, Int4Rows
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="session")
+def gguf_file(ckpt_root, checkpoint):
+    """gguf_file(family) -> path of that tiny family's GGUF file (tests/test_gguf.py)."""
+    return lambda family: _gguf_case(ckpt_root, checkpoint(family), family)[0]
+PACKABLE = [t.name for i, t in SUPPORTED_TENSOR_TYPES.items() if packed_planes(i)]
+BF16_EPS = 2.0 ** -8  # bfloat16's relative rounding error is at most half of this
+
+
+def test_packable_types():
+    assert sorted(PACKABLE) == sorted(["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"])
+
+
+@pytest.mark.parametrize("name", PACKABLE)
+def test_packed_rows_hold_the_files_values(name):
+    type_id = next(i for i, t in SUPPORTED_TENSOR_TYPES.items() if t.name == name)
+    raw = torch.from_numpy(random_raw(name, 64, 512, np.random.default_rng(3)).reshape(-1))
+    rows = int4_rows(raw, type_id, (64, 512))
+    assert rows.planes == packed_planes(type_id)
+    assert rows.q.dtype == torch.uint8 and int(rows.q.max()) <= 15
+    torch.testing.assert_close(rows.dequantize(), dequantize(raw, type_id, (64, 512)),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="needs"):
+        int4_rows(raw[:-1], type_id, (64, 512))
+
+
+def random_rows(rows: int, cols: int, planes: int, seed: int) -> Int4Rows:
+    """Random packable rows whose scales and zeros are bfloat16 values (as the layer holds
+    them), so that the layer's weights are exactly `.dequantize()`."""
+    gen = torch.Generator().manual_seed(seed)
+    low, high = (0, 16) if planes == 1 else (-128, 128)
+    q = torch.randint(low, high, (rows, cols), generator=gen)
+    scale = (torch.rand(rows, cols // 32, generator=gen) * 0.02 + 0.001).bfloat16().float()
+    zero = (torch.randn(rows, cols // 32, generator=gen) * 0.02).bfloat16().float()
+    return Int4Rows.of_ints(q, scale, zero - 8 * scale, planes)  # zero = offset + 8 scale
+
+
+def build(rows: Int4Rows, bias: torch.Tensor | None = None, split: int = 1) -> Int4Linear:
+    n, cols = rows.q.shape[0], rows.q.shape[1] // rows.planes
+    layer = Int4Linear(cols, n, bias, rows.planes)
+    step = n // split
+    for start in range(0, n, step):  # loaded in row ranges, as fused destinations are
+        layer.load(start, Int4Rows(rows.q[start:start + step], rows.scale[start:start + step],
+                                   rows.zero[start:start + step], rows.planes))
+    layer.pack()
+    return layer
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+@pytest.mark.parametrize("n_rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 150])
+def test_layer_matches_the_dequantized_matmul(planes, n_rows):
+    rows = random_rows(192, 96, planes, seed=planes)
+    bias = torch.randn(192)
+    layer = build(rows, bias, split=3)
+    w = rows.dequantize()
+    x = torch.randn(n_rows, 96, generator=torch.Generator().manual_seed(n_rows))
+    out = layer.forward(x)
+    want = x @ w.t() + bias
+    # The stated tolerance: x and y rounded to bfloat16 (each off by at most 2^-9 of itself,
+    # so at most 2^-8 (|x| @ |W|.T) and 2^-8 |y| with the kernel's inner roundings); seen:
+    # under half of it.
+    bound = BF16_EPS * (x.abs() @ w.abs().t()) + BF16_EPS * (x @ w.t()).abs() + 1e-5
+    assert out.shape == want.shape and out.dtype == torch.float32
+    assert bool(((out - want).abs() <= bound).all()), float((out - want).abs().max())
+    torch.testing.assert_close(layer.dequantize_t(), w.t(), rtol=1e-6, atol=1e-7)
+    ids = torch.tensor([0, 5, 63, 64, 100, 191])
+    torch.testing.assert_close(layer.rows(ids, torch.float32), w[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_kernel_rows_do_not_depend_on_the_batch():
+    """A row's output is the same alone or among others (decode vs batched decode)."""
+    layer = build(random_rows(128, 64, 2, seed=9))
+    x = torch.randn(KERNEL_MAX_ROWS, 64)
+    whole = layer.forward(x)
+    for i in (0, 7, KERNEL_MAX_ROWS - 1):
+        assert torch.equal(layer.forward(x[i:i + 1]), whole[i:i + 1])
+
+
+def test_layer_refuses_misuse():
+    with pytest.raises(ValueError, match="no int4 kernel"):
+        Int4Linear(96, 100, None, 1)  # rows not a multiple of 64
+    layer = Int4Linear(64, 64, None, 1)
+    with pytest.raises(ValueError, match="before all of its rows"):
+        layer.pack()
+    with pytest.raises(ValueError, match="do not fit"):
+        layer.load(32, random_rows(64, 64, 1, seed=0))
+    layer.load(0, random_rows(64, 64, 1, seed=0))
+    layer.pack()
+    with pytest.raises(RuntimeError, match="already packed"):
+        layer.load(0, random_rows(64, 64, 1, seed=0))
+
+
+# ---------------------------------------------------------------------------- end to end
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+# Families whose GGUF weights are packable (tests/test_gguf.py: GGUF_FAMILIES), with how many
+# linear layers pack: 4 per block x 2 blocks, the embedding and the LM head (one layer when
+# tied, as in qwen2).
+PACKED_FAMILIES = {"llama": 10, "yarn": 10, "mistral": 10, "qwen2": 9}
+
+
+def first_logprobs(out) -> dict[int, float]:
+    return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+
+
+@pytest.mark.parametrize("family", list(PACKED_FAMILIES))
+def test_packed_weights_close_to_dequantized(family, gguf_file, checkpoint):
+    path = gguf_file(family)
+    hf_dir = checkpoint(family)
+    packed = LLM(path, tokenizer=hf_dir, quantization="gguf", position_strategy="shared")
+    dense = LLM(path, tokenizer=hf_dir, quantization="none", position_strategy="shared")
+    assert packed.engine.weights.int4_layers == PACKED_FAMILIES[family]
+    assert dense.engine.weights.int4_layers == 0
+    assert packed.engine.weights.weight_bytes < dense.engine.weights.weight_bytes / 2
+    # 5 tokens run the kernel, 150 the dequantized path (prefill); decode is the kernel.
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (5, 150)]
+    got = packed.generate(prompts, GREEDY, use_tqdm=False)
+    want = dense.generate(prompts, GREEDY, use_tqdm=False)
+    for g, w in zip(got, want, strict=True):
+        lp_g, lp_w = first_logprobs(g), first_logprobs(w)
+        top = max(lp_w, key=lp_w.get)
+        assert abs(lp_g.get(top, -1e9) - lp_w[top]) < 0.05, (lp_g, lp_w)
+        margin = sorted(lp_w.values())[-1] - sorted(lp_w.values())[-2]
+        if margin > 0.1:  # bf16 rounding moves logprobs by < 0.05 here
+            assert g.outputs[0].token_ids[0] == w.outputs[0].token_ids[0]
+    packed.check_integrity()
+
+
+def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
+    """Chunk reuse on packed weights: the warm answer (chunks from the cache, the question a
+    small step on the kernel) equals the cold one (one large step, the dequantized path)."""
+    path = gguf_file("qwen2")
+    llm = LLM(path, tokenizer=checkpoint("qwen2"), quantization="gguf",
+              position_strategy="shared", chunk_attention="isolated", recompute="none")
+    system = random_prompt(9, seed=1)
+    chunks = [random_prompt(n, seed=30 + n) for n in (40, 33, 25)]
+    question = random_prompt(6, seed=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    cold = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
+    assert cold.metrics.num_chunk_misses == 3
+    warm = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
+    assert warm.metrics.num_chunk_hits == 3
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    llm.check_integrity()
+
+
+def test_which_weights_stay_packed(gguf_file, checkpoint):
+    path = gguf_file("yarn")  # Q4_0 weights
+    ckpt = inspect_checkpoint(path)
+    cpu = torch.device("cpu")
+
+    def config(**kw) -> EngineConfig:
+        return EngineConfig(model=path, **kw)
+
+    assert use_int4(config(), ckpt, cpu)  # auto: packed on CPU
+    assert not use_int4(config(dtype="float32"), ckpt, cpu)  # asked for float32: dense
+    assert not use_int4(config(quantization="none"), ckpt, cpu)
+    assert use_int4(config(quantization="gguf", dtype="float32"), ckpt, cpu)
+    assert not use_int4(config(), ckpt, torch.device("cuda"))  # no GPU kernel yet: dense
+    with pytest.raises(ValueError, match="CPU only"):
+        use_int4(config(quantization="gguf"), ckpt, torch.device("cuda"))
+    hf = inspect_checkpoint(checkpoint("llama"))
+    assert not use_int4(EngineConfig(model=hf.path), hf, cpu)
+    with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
+        use_int4(EngineConfig(model=hf.path, quantization="gguf"), hf, cpu)
+    f32_path = gguf_file("qwen3")  # F32 weights: nothing to pack
+    f32 = inspect_checkpoint(f32_path)
+    assert not use_int4(EngineConfig(model=f32_path), f32, cpu)
+    with pytest.raises(ValueError, match="quantization must be"):
+        EngineConfig(model=path, quantization="awq")
+
+
+def test_packed_chunk_keys_differ_from_dense(gguf_file, checkpoint):
+    """Packed and dequantized weights compute different KV: never shared through a store."""
+    path = gguf_file("yarn")
+    packed = LLM(path, tokenizer=checkpoint("yarn"), quantization="gguf")
+    dense = LLM(path, tokenizer=checkpoint("yarn"), quantization="none")
+    keys = [llm.engine.inputs.chunk_keys.of_prompt([1], [[5, 6, 7]], "isolated", None)[0]
+            for llm in (packed, dense)]
+    assert keys[0].key != keys[1].key and "+int4" in keys[0].namespace
