@@ -72,7 +72,7 @@ def build(rows: Int4Rows, bias: torch.Tensor | None = None, split: int = 1) -> I
 
 
 @pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("n_rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 150])
+@pytest.mark.parametrize("n_rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, KERNEL_MAX_ROWS + 40])
 def test_layer_matches_the_dequantized_matmul(planes, n_rows):
     rows = random_rows(192, 96, planes, seed=planes)
     bias = torch.randn(192)
@@ -137,8 +137,9 @@ def test_packed_weights_close_to_dequantized(family, gguf_file, checkpoint):
     assert packed.engine.weights.int4_layers == PACKED_FAMILIES[family]
     assert dense.engine.weights.int4_layers == 0
     assert packed.engine.weights.weight_bytes < dense.engine.weights.weight_bytes / 2
-    # 5 tokens run the kernel, 150 the dequantized path (prefill); decode is the kernel.
-    prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (5, 150)]
+    # 5 tokens run the kernel, 230 the dequantized path (prefill); decode is the kernel.
+    assert KERNEL_MAX_ROWS < 230
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (5, 230)]
     got = packed.generate(prompts, GREEDY, use_tqdm=False)
     want = dense.generate(prompts, GREEDY, use_tqdm=False)
     for g, w in zip(got, want, strict=True):
@@ -158,7 +159,8 @@ def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
     llm = LLM(path, tokenizer=checkpoint("qwen2"), quantization="gguf",
               position_strategy="shared", chunk_attention="isolated", recompute="none")
     system = random_prompt(9, seed=1)
-    chunks = [random_prompt(n, seed=30 + n) for n in (40, 33, 25)]
+    chunks = [random_prompt(n, seed=30 + n) for n in (90, 73, 55)]
+    assert 9 + 90 + 73 + 55 + 6 > KERNEL_MAX_ROWS
     question = random_prompt(6, seed=2)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     cold = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
