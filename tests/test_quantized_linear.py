@@ -19,7 +19,7 @@ from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
 from ragkv.model.gguf.quants import SUPPORTED_TENSOR_TYPES, dequantize, int4_rows, packed_planes
 from ragkv.model.loader import inspect_checkpoint, use_int4
-from ragkv.model.quantized_linear import KERNEL_MAX_ROWS, Int4Linear, Int4Rows
+from ragkv.model.quantized_linear import KERNEL_MAX_ROWS, Int4Linear, Int4Rows, RowRoute
 
 gguf = pytest.importorskip("gguf")
 
@@ -72,7 +72,8 @@ def build(rows: Int4Rows, bias: torch.Tensor | None = None, split: int = 1) -> I
 
 
 @pytest.mark.parametrize("planes", [1, 2])
-@pytest.mark.parametrize("n_rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, KERNEL_MAX_ROWS + 40])
+@pytest.mark.parametrize("n_rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1,
+                                    KERNEL_MAX_ROWS + 40])
 def test_layer_matches_the_dequantized_matmul(planes, n_rows):
     rows = random_rows(192, 96, planes, seed=planes)
     bias = torch.randn(192)
@@ -90,6 +91,27 @@ def test_layer_matches_the_dequantized_matmul(planes, n_rows):
     torch.testing.assert_close(layer.dequantize_t(), w.t(), rtol=1e-6, atol=1e-7)
     ids = torch.tensor([0, 5, 63, 64, 100, 191])
     torch.testing.assert_close(layer.rows(ids, torch.float32), w[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_rows_are_routed_by_their_kind():
+    """With a route, prompt rows take the dequantized float32 path and generated rows the
+    kernel, whatever the step's size; without one (the head, the probes) the size decides."""
+    rows = random_rows(128, 64, 1, seed=4)
+    route = RowRoute()
+    layer = build(rows)
+    layer.route = route
+    w = rows.dequantize()
+    x = torch.randn(10, 64)
+    kernel = layer.forward(x[3:])  # by size: 7 rows take the kernel
+    assert torch.equal(kernel, layer._kernel(x[3:]))
+    route.prompt_rows = 3
+    out = layer.forward(x)
+    torch.testing.assert_close(out[:3], x[:3] @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[3:], kernel)
+    route.prompt_rows = 10
+    torch.testing.assert_close(layer.forward(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    route.prompt_rows = 0
+    assert torch.equal(layer.forward(x)[3:], kernel)
 
 
 def test_kernel_rows_do_not_depend_on_the_batch():
@@ -160,7 +182,7 @@ def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
               position_strategy="shared", chunk_attention="isolated", recompute="none")
     system = random_prompt(9, seed=1)
     chunks = [random_prompt(n, seed=30 + n) for n in (90, 73, 55)]
-    assert 9 + 90 + 73 + 55 + 6 > KERNEL_MAX_ROWS
+    assert KERNEL_MAX_ROWS < 9 + 90 + 73 + 55 + 6
     question = random_prompt(6, seed=2)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     cold = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
@@ -168,6 +190,22 @@ def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
     warm = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
     assert warm.metrics.num_chunk_hits == 3
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    llm.check_integrity()
+
+
+def test_packed_batch_with_prompts_and_decodes(gguf_file, checkpoint):
+    """Steps that mix prompt rows and decoding rows (reordered by kind for the packed layers)
+    give every request its own logits: each answer equals the one it gets alone."""
+    path = gguf_file("llama")
+    llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf",
+              max_num_batched_tokens=64,  # chunked prefills beside decodes
+              enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=50 + n)} for n in (7, 90, 33, 150)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    alone = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    for t, a in zip(together, alone, strict=True):
+        assert t.outputs[0].token_ids == a.outputs[0].token_ids
     llm.check_integrity()
 
 

@@ -17,7 +17,7 @@ from .backends import triton_ops
 from .backends.base import AttentionBackend, AttentionMetadata
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 from .model_config import ModelConfig
-from .quantized_linear import Int4Linear
+from .quantized_linear import Int4Linear, RowRoute
 
 
 class Attention(nn.Module):
@@ -109,9 +109,11 @@ class CausalLM(nn.Module):
                         else empty_param(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device))
         self.rotary = RotaryEmbedding(mc.head_dim, mc.rope, mc.max_position_embeddings, max_len,
                                       dtype, device)
-        # The embedding and the LM head held packed (`--quantization gguf`), or None.
+        # The embedding and the LM head held packed (`--quantization gguf`), or None; with
+        # packed layers, the path of each row (quantized_linear.RowRoute), set per forward.
         self.packed_embedding: Int4Linear | None = None
         self.packed_head: Int4Linear | None = None
+        self.route: RowRoute | None = None
         self.dtype = dtype
 
     def pack_embedding(self, layer: Int4Linear) -> None:
@@ -134,16 +136,25 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
                 backend: AttentionBackend,
-                key_positions: torch.Tensor | None = None) -> torch.Tensor:
+                key_positions: torch.Tensor | None = None,
+                prompt_rows: int | None = None) -> torch.Tensor:
         """`key_positions`: RoPE positions of the keys where they differ from `positions`
-        (selectively recomputed chunk tokens); never with dynamic RoPE."""
+        (selectively recomputed chunk tokens); never with dynamic RoPE. `prompt_rows`: with
+        packed layers, the first rows are that many prompt tokens, the rest generated ones
+        (RowRoute)."""
         cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
         key_rope = None if key_positions is None else self.rotary.cos_sin(key_positions)
 
         def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
             return attn.forward(x, cos, sin, i, pool, meta, backend, key_rope)
 
-        h, residual = self.run_layers(self.embed(input_ids), attend)
+        if self.route is not None:
+            self.route.prompt_rows = prompt_rows
+        try:
+            h, residual = self.run_layers(self.embed(input_ids), attend)
+        finally:
+            if self.route is not None:
+                self.route.prompt_rows = None  # the head and the probes go by size
         h = self.norm.forward(residual[logits_indices] + h[logits_indices])
         if self.packed_head is not None:
             return self.packed_head.forward(h).float()

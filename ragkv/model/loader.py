@@ -25,7 +25,7 @@ from .gguf.reader import GGUFFile, find_gguf_file, gguf_weights, load_gguf_token
 from .layers import Linear
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .quantized_linear import Int4Linear, int4_supported
+from .quantized_linear import Int4Linear, RowRoute, int4_supported
 
 logger = logging.getLogger(__name__)
 
@@ -319,16 +319,18 @@ def _int4_linears(model: CausalLM, checkpoint: Checkpoint,
         candidates.append((["lm_head.weight"], mc.vocab_size, mc.hidden_size, None,
                            model.pack_head))
     packed: dict[str, Int4Linear] = {}
+    route = RowRoute()
     for names, rows, inputs, bias, install in candidates:
         need = [planes.get(n, 0) for n in names]
         if not names or 0 in need or not int4_supported(inputs, rows, model.norm.weight.device):
             continue
-        layer = Int4Linear(inputs, rows, bias, max(need))
+        layer = Int4Linear(inputs, rows, bias, max(need), route)
         install(layer)
         for name in names:
             _, offset, n = targets[name]
             targets[name] = (layer, offset, n)
             packed[name] = layer
+    model.route = route if packed else None
     return packed
 
 

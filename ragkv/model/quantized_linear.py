@@ -9,13 +9,12 @@ the kernel over the input twice along K. So every value stays what the file says
 bytes per 4-bit value (1.25 per 8-bit one) instead of 4, and a decode step streams a sixth of
 the float32 bytes.
 
-Numerics (docs/quantization.md): y = x @ W.T with x and y rounded to bfloat16, W being the
-file's values with scale and zero rounded to bfloat16. A step of at most `KERNEL_MAX_ROWS` rows
-(decode, speculative verification, small batches) runs the kernel (float32 products, a few
-bfloat16 roundings inside); larger steps (prefill) dequantize the layer to float32 and run a
-dense float32 matmul between the same roundings of x and y, 2x faster than the kernel there on
-this CPU. Both stay within 2^-8 (|x| @ |W|.T + |y|) of the float32 matmul of the dequantized
-weights (tests/test_quantized_linear.py).
+Numerics (docs/quantization.md): W is the file's values with each group's scale and zero
+rounded to bfloat16. Generated tokens (decode, drafts) run the kernel: x and y rounded to
+bfloat16, float32 products, a few bfloat16 roundings inside; within 2^-8 (|x| @ |W|.T + |y|)
+of the float32 matmul. Prompt tokens dequantize the layer to float32 for the step and run a
+dense float32 matmul (2x faster than the kernel for prefill-sized steps on this CPU); so do
+steps of more than `KERNEL_MAX_ROWS` rows where no route is set (tests/test_quantized_linear.py).
 """
 
 from __future__ import annotations
@@ -34,6 +33,19 @@ _INNER_K_TILES = 2  # the packed layout's tiling along K (the kernel's innerKTil
 # "Quantized weights"). Dequantizing costs ~0.7 ns per weight per step, the kernel ~2.5x a
 # dense float32 matmul's time per row.
 KERNEL_MAX_ROWS = 80
+
+
+@dataclass(slots=True)
+class RowRoute:
+    """Which path each row of the current forward takes, shared by all packed layers of a
+    model. `prompt_rows` None: by the step's size (at most KERNEL_MAX_ROWS rows: the kernel);
+    n: the first n rows are prompt tokens, which always take the dequantized path, the rest
+    generated tokens (decode, drafts), which always take the kernel. Routing by the token's
+    kind keeps a token's numerics the same in whatever step computes it: a warm request's
+    question (a small step) as in the cold one (a large step), so warm answers equal cold
+    ones as with dense weights."""
+
+    prompt_rows: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +109,9 @@ class Int4Linear(nn.Module):
     rows from the same packed values (`rows`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None,
-                 planes: int) -> None:
+                 planes: int, route: RowRoute | None = None) -> None:
         super().__init__()
+        self.route = route or RowRoute()
         if not int4_supported(in_features, out_features, torch.device("cpu")):
             raise ValueError(f"no int4 kernel for a [{out_features}, {in_features}] layer")
         self.in_features, self.out_features, self.planes = in_features, out_features, planes
@@ -137,19 +150,29 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in_features] (the model's flattened tokens) -> [T, out_features]."""
-        if x.shape[0] <= KERNEL_MAX_ROWS:
-            xb = x.to(torch.bfloat16)
-            if self.planes > 1:
-                xb = xb.repeat(1, self.planes)
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                xb.contiguous(), self.packed, GROUP_SIZE, self.scale_zero).to(x.dtype)
+        split = self.route.prompt_rows
+        if split is None:
+            out = self._kernel(x) if x.shape[0] <= KERNEL_MAX_ROWS else self._dense(x)
+        elif split == 0:
+            out = self._kernel(x)
+        elif split >= x.shape[0]:
+            out = self._dense(x)
         else:
-            # The kernel's rounding (bfloat16 in and out) on the dense float32 matmul, so a
-            # row's values stay within a bfloat16 step or two whichever path its step takes (a
-            # warm request's question is a small step, the same tokens cold a large one).
-            xb = x.to(torch.bfloat16).float()
-            out = (xb @ self.dequantize_t()).to(torch.bfloat16).to(x.dtype)
+            out = torch.cat((self._dense(x[:split]), self._kernel(x[split:])))
         return out if self.bias is None else out + self.bias
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16)
+        if self.planes > 1:
+            xb = xb.repeat(1, self.planes)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb.contiguous(), self.packed, GROUP_SIZE, self.scale_zero).to(x.dtype)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        # Not rounded to bfloat16 as the kernel's are: float32 GEMMs give a row slightly
+        # different sums in steps of different sizes, which a rounding would blow up to a
+        # whole bfloat16 step now and then.
+        return x @ self.dequantize_t().to(x.dtype)
 
     def _unpacked(self) -> torch.Tensor:
         """The 4-bit values, uint8 [planes * K, N] (W.T's layout). The packed bytes are

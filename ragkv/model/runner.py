@@ -125,16 +125,27 @@ class ModelRunner:
         if self.extend_graphs is not None and self.extend_graphs.can_run(works):
             return self.extend_graphs.run(works)
         table = self.slot_table.table
+        prompt_rows = None
+        order = list(range(len(works)))
+        if self.model.route is not None:
+            # Packed weights route rows by kind (quantized_linear.RowRoute): prompt works'
+            # rows first, then generated tokens' (works whose every row is sampled: decode,
+            # drafts). The logits still come back in the works' order.
+            generated = [w.logits_from == w.end - len(w.token_ids) for w in works]
+            order.sort(key=generated.__getitem__)
+            prompt_rows = sum(len(w.token_ids) for w, g in zip(works, generated, strict=True)
+                              if not g)
         input_ids: list[int] = []
         positions: list[int] = []
         q_lens, kv_lens, q_starts, seq_lens = [], [], [], []
         rows, prefix = [], []
         kv_indices: list[torch.Tensor] = []
-        logits_rows: list[int] = []
+        logits_of: dict[int, range] = {}
         query_index: list[torch.Tensor | None] = []
         key_positions: list[int] | None = None
         write_parts: list[torch.Tensor] = []
-        for w in works:
+        for i in order:
+            w = works[i]
             row = w.kv.row
             spans = w.kv_spans
             index = self.slot_table.entries(row, spans)
@@ -162,7 +173,8 @@ class ModelRunner:
             seq_lens.append(max(w.positions) + 1)
             rows.append(row)
             prefix.append(len(spans) == 1 and spans[0][0] == 0)
-            logits_rows.extend(range(len(input_ids) - (w.end - w.logits_from), len(input_ids)))
+            logits_of[i] = range(len(input_ids) - (w.end - w.logits_from), len(input_ids))
+        logits_rows = [r for i in range(len(works)) for r in logits_of[i]]
         batch = AttentionBatch(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
             write_slots=torch.cat(write_parts).long(), num_heads=self.num_heads,
@@ -170,9 +182,10 @@ class ModelRunner:
         if any(x is not None for x in query_index):
             batch.query_index = query_index
         if any(w.turns for w in works):
+            ordered = [works[i] for i in order]
             batch.turn_table = TurnTable.build(self.model.rotary,
-                                               (d for w in works for _, _, d in w.turns))
-            batch.turns = [batch.turn_table.by_row(w.turns) for w in works]
+                                               (d for w in ordered for _, _, d in w.turns))
+            batch.turns = [batch.turn_table.by_row(w.turns) for w in ordered]
         meta = AttentionMetadata(write_slots=batch.write_slots,
                                  state=self.backend.prepare(batch), seq_lens=seq_lens,
                                  q_lens=q_lens)
@@ -182,7 +195,8 @@ class ModelRunner:
         dev_ids = int64_tensor(input_ids + positions + extra + logits_rows).to(self.device)
         keys = dev_ids[2 * n:3 * n] if extra else None
         return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
-                          self.pool, meta, self.backend, key_positions=keys)
+                          self.pool, meta, self.backend, key_positions=keys,
+                          prompt_rows=prompt_rows)
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:
