@@ -373,7 +373,8 @@ def _precompute(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.model, num_requests=args.num_requests, max_tokens=args.max_tokens)
+    return run_demo(args.model, num_requests=args.num_requests, max_tokens=args.max_tokens,
+                    quantization=args.quantization)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -459,6 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-requests", type=int, default=None,
                       help="default: every question twice, in different document orders")
     demo.add_argument("--max-tokens", type=int, default=24, help="answer length limit")
+    demo.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
+                      help="a GGUF file's quantized weights packed (gguf) or dequantized "
+                           "(none); default: the engine's (packed on CPU)")
     demo.set_defaults(func=_demo)
 
     ev = sub.add_parser("eval", help="RAG answer quality of each mode against full prefill",
