@@ -15,6 +15,11 @@ machine: torch's OpenMP threads slow down sharply when another process takes one
     python benchmarks/bench_cpu_peer.py                                # 128 tokens, 3 repeats
     python benchmarks/bench_cpu_peer.py --max-tokens 32 --repeats 1    # quicker
     python benchmarks/bench_cpu_peer.py --skip-llama-cpp --skip-dense  # ragkv packed only
+    python benchmarks/bench_cpu_peer.py --crossover    # prefill: kernel vs dequantized path
+
+--crossover times plain prompts of 32-580 tokens (caches off) on dense float32 weights and on
+packed weights with every prompt row on the kernel or on the dequantized float32 path: where
+the two packed columns cross is where the layers switch by step size (KERNEL_MAX_ROWS).
 """
 
 from __future__ import annotations
@@ -88,6 +93,46 @@ def pick_documents(tokenizer) -> tuple[object, list[str], list[str]]:
     return item, list(item.documents), others
 
 
+def crossover(common: dict, threads: int) -> None:
+    from ragkv import LLM, SamplingParams
+    from ragkv.model import quantized_linear
+
+    dense = LLM(**common, quantization="none", dtype="float32", enable_chunk_cache=False,
+                enable_prefix_caching=False)
+    packed = LLM(**common, quantization="gguf", enable_chunk_cache=False,
+                 enable_prefix_caching=False)
+    words = dense.get_tokenizer()("The history of the city is long and full of turns. " * 80)
+    one = SamplingParams(max_tokens=1)
+
+    def best(llm, n: int) -> float:
+        prompt = [{"prompt_token_ids": words["input_ids"][:n]}]
+        llm.generate(prompt, one, use_tqdm=False)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            llm.generate(prompt, one, use_tqdm=False)
+            times.append(time.perf_counter() - start)
+        return min(times) * 1000
+
+    route, saved = packed.engine.model.route, quantized_linear.KERNEL_MAX_ROWS
+    print(f"prefill of a plain prompt, best of 3, ms ({threads} threads); packed: every prompt "
+          "row on the kernel / on the dequantized path (as served: prompt rows always take it; "
+          f"the head and probes take the kernel up to {saved} rows)")
+    print(f"{'tokens':>6} {'dense f32':>10} {'kernel':>8} {'dequant':>8}")
+    try:
+        for n in (32, 64, 96, 128, 192, 256, 580):
+            dense_t = best(dense, n)
+            dequant_t = best(packed, n)  # as served: prompt rows on the dequantized path
+            packed.engine.model.route = None  # by size, every row on the kernel
+            quantized_linear.KERNEL_MAX_ROWS = 10**6
+            kernel_t = best(packed, n)
+            packed.engine.model.route, quantized_linear.KERNEL_MAX_ROWS = route, saved
+            print(f"{n:>6} {dense_t:>10.1f} {kernel_t:>8.1f} {dequant_t:>8.1f}", flush=True)
+    finally:
+        quantized_linear.KERNEL_MAX_ROWS = saved
+        packed.engine.model.route = route
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -95,6 +140,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2,
                         help="CPU threads for both: torch's intra-op threads and llama.cpp's")
     parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--crossover", action="store_true",
+                        help="only the prefill table: kernel against dequantized path")
     parser.add_argument("--skip-dense", action="store_true",
                         help="skip the dequantized float32 ragkv engine")
     args = parser.parse_args()
@@ -123,6 +170,9 @@ def main() -> None:
           + ("" if llama_cpp is None else f", llama.cpp n_threads (llama-cpp-python "
              f"{llama_cpp.__version__}, n_batch 512)"))
     common = dict(model=MODEL, device="cpu", max_model_len=4096)
+    if args.crossover:
+        crossover(common, args.threads)
+        return
     # Loaded first and not measured: it also takes the one-time imports out of the RSS figures.
     first = LLM(**common, quantization="gguf", enable_chunk_cache=False,
                 enable_prefix_caching=False)
