@@ -41,9 +41,9 @@ class RowRoute:
     model. `prompt_rows` None: by the step's size (at most KERNEL_MAX_ROWS rows: the kernel);
     n: the first n rows are prompt tokens, which always take the dequantized path, the rest
     generated tokens (decode, drafts), which always take the kernel. Routing by the token's
-    kind keeps a token's numerics the same in whatever step computes it: a warm request's
-    question (a small step) as in the cold one (a large step), so warm answers equal cold
-    ones as with dense weights."""
+    kind keeps a token's path the same in whatever step computes it: a warm request's
+    question (a small step) as in the cold one (a large step). Warm answers then stay close to
+    cold ones, not bit-exact (docs/quantization.md)."""
 
     prompt_rows: int | None = None
 

@@ -156,7 +156,7 @@ def read_gguf(path: str) -> GGUFFile:
 def gguf_weights(ckpt: GGUFFile, int4: frozenset[str] = frozenset()
                  ) -> Iterator[tuple[str, torch.Tensor | Int4Rows]]:
     """(HF name, float32 tensor) for every weight, dequantized one at a time; the weights named
-    in `int4` (of a 4-bit type, `INT4_TYPES`) come as `Int4Rows` instead, nothing rounded."""
+    in `int4` (of a type with `packed_planes`) come as `Int4Rows` instead, nothing rounded."""
     mc = ckpt.model_config
     with open(ckpt.path, "rb") as f:
         for t in ckpt.tensors:
