@@ -102,7 +102,7 @@ class EngineConfig:
     dtype: str = "auto"
     # vLLM's flag: "gguf" keeps a GGUF file's 4-bit weights packed (int4 kernels, bfloat16
     # activations), "none" dequantizes every weight at load; None picks the faster one for the
-    # device and file (model/loader.py: use_int4).
+    # device and file (model/loader.py: use_packed).
     quantization: str | None = None
     device: str = "auto"
     seed: int = 0

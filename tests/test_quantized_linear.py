@@ -17,8 +17,9 @@ from test_gguf import _gguf_case, random_raw
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
+from ragkv.model.backends import triton_quant
 from ragkv.model.gguf.quants import SUPPORTED_TENSOR_TYPES, dequantize, int4_rows, packed_planes
-from ragkv.model.loader import inspect_checkpoint, use_int4
+from ragkv.model.loader import inspect_checkpoint, use_packed
 from ragkv.model.quantized_linear import KERNEL_MAX_ROWS, Int4Linear, Int4Rows, RowRoute
 
 gguf = pytest.importorskip("gguf")
@@ -217,20 +218,22 @@ def test_which_weights_stay_packed(gguf_file, checkpoint):
     def config(**kw) -> EngineConfig:
         return EngineConfig(model=path, **kw)
 
-    assert use_int4(config(), ckpt, cpu)  # auto: packed on CPU
-    assert not use_int4(config(dtype="float32"), ckpt, cpu)  # asked for float32: dense
-    assert not use_int4(config(quantization="none"), ckpt, cpu)
-    assert use_int4(config(quantization="gguf", dtype="float32"), ckpt, cpu)
-    assert not use_int4(config(), ckpt, torch.device("cuda"))  # no GPU kernel yet: dense
-    with pytest.raises(ValueError, match="CPU only"):
-        use_int4(config(quantization="gguf"), ckpt, torch.device("cuda"))
+    assert use_packed(config(), ckpt, cpu)  # auto: packed on CPU
+    assert not use_packed(config(dtype="float32"), ckpt, cpu)  # asked for float32: dense
+    assert not use_packed(config(quantization="none"), ckpt, cpu)
+    assert use_packed(config(quantization="gguf", dtype="float32"), ckpt, cpu)
+    cuda = torch.device("cuda")
+    assert not use_packed(config(), ckpt, cuda)  # auto on a GPU: dense bfloat16
+    assert use_packed(config(quantization="gguf"), ckpt, cuda) == triton_quant.available()
+    with pytest.raises(ValueError, match="on mps use quantization='none'"):
+        use_packed(config(quantization="gguf"), ckpt, torch.device("mps"))
     hf = inspect_checkpoint(checkpoint("llama"))
-    assert not use_int4(EngineConfig(model=hf.path), hf, cpu)
+    assert not use_packed(EngineConfig(model=hf.path), hf, cpu)
     with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
-        use_int4(EngineConfig(model=hf.path, quantization="gguf"), hf, cpu)
+        use_packed(EngineConfig(model=hf.path, quantization="gguf"), hf, cpu)
     f32_path = gguf_file("qwen3")  # F32 weights: nothing to pack
     f32 = inspect_checkpoint(f32_path)
-    assert not use_int4(EngineConfig(model=f32_path), f32, cpu)
+    assert not use_packed(EngineConfig(model=f32_path), f32, cpu)
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(model=path, quantization="awq")
 

@@ -30,7 +30,7 @@ from ..config import EngineConfig, resolve_device, resolve_dtype
 from ..inputs.prompt import ChunkedPrompt
 from ..inputs.token_cache import TokenCache, TokenCacheStats
 from ..model.llama import CausalLM
-from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights, use_int4
+from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights, use_packed
 from ..model.runner import ModelRunner
 from ..outputs import RequestOutput
 from ..recompute.policy import check_layers_for
@@ -76,14 +76,14 @@ class Engine:
         self.config = config
         logger.info("RAG default: %s", self.describe_rag_default())
         self.device = resolve_device(config)
-        int4 = use_int4(config, checkpoint, self.device)
+        packed = use_packed(config, checkpoint, self.device)
         self.dtype = resolve_dtype(config, self.device, checkpoint.torch_dtype)
-        # Packed 4-bit weights compute other values than dequantized ones: other chunk KV.
-        weights_id = checkpoint.fingerprint + "+int4" * int4
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
         max_len = model_len_limit(config, mc.max_context_len, mc.sliding_window)
         self.model = CausalLM(mc, max_len, self.dtype, self.device).eval()
-        self.weights = load_weights(self.model, checkpoint, int4)
+        self.weights = load_weights(self.model, checkpoint, packed)
+        # Packed weights compute other values than dequantized ones: other chunk KV.
+        weights_id = checkpoint.fingerprint + self.weights.id_suffix
         per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                            self.dtype)
         size = size_pool(config, per_token, self.device, max_len)

@@ -22,6 +22,7 @@ from ..config import EngineConfig
 from .file_digest import file_digest
 from .gguf.quants import packed_planes
 from .gguf.reader import GGUFFile, find_gguf_file, gguf_weights, load_gguf_tokenizer, read_gguf
+from .int8_linear import GROUP_SIZE, Int8Linear, int8_supported
 from .layers import Linear
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -213,66 +214,85 @@ def load_hf_model(model: str, attn_implementation: str = "sdpa"):
     return AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
 
 
-def use_int4(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> bool:
+def use_packed(config: EngineConfig, checkpoint: Checkpoint, device: torch.device) -> bool:
     """Whether quantized GGUF weights stay packed (`--quantization`): "gguf" asks for it,
     "none" refuses it, None (auto) takes it where it is the faster measured path: a GGUF file
-    with weights of a packable type, on CPU, unless --dtype float32 asks for dense float32
-    weights (docs/benchmarks.md)."""
+    with weights of a packable type, on CPU (4-bit planes), unless --dtype float32 asks for
+    dense float32 weights (docs/benchmarks.md). On CUDA, "gguf" holds them as int8 groups
+    (Triton kernels)."""
     quantization = config.quantization
     if quantization == "none":
         return False
-    int4_file = checkpoint.gguf is not None and any(
+    packable = checkpoint.gguf is not None and any(
         packed_planes(t.type_id) for t in checkpoint.gguf.tensors)
     if quantization is None:
-        return int4_file and device.type == "cpu" and config.dtype != "float32"
+        return packable and device.type == "cpu" and config.dtype != "float32"
     if checkpoint.gguf is None:
         raise ValueError(f"quantization='gguf' needs a GGUF checkpoint; {checkpoint.path!r} "
                          "is an HF directory")
-    if device.type != "cpu":
-        raise ValueError(f"quantization='gguf' keeps 4-bit weights packed on CPU only so far; "
-                         f"on {device} use quantization='none' (weights dequantized at load)")
-    if not int4_file:
+    if device.type not in ("cpu", "cuda") or (
+            device.type == "cuda" and not int8_supported(GROUP_SIZE, device)):
+        raise ValueError(f"quantization='gguf' keeps weights packed on CPU, and on CUDA with "
+                         f"Triton; on {device} use quantization='none' (weights dequantized "
+                         "at load)")
+    if not packable:
         logger.warning("quantization='gguf': %s has no weights of a packable type (Q4_0, Q4_1, "
                        "Q4_K, Q5_0, Q5_1, Q5_K, Q8_0); every weight is dequantized",
                        checkpoint.path)
-    return int4_file
+    return packable
 
 
 @dataclass(frozen=True, slots=True)
 class LoadedWeights:
-    """What `load_weights` built: how many linear layers hold packed 4-bit weights, how many
-    dense ones, and the bytes of all weights as held."""
+    """What `load_weights` built: how many linear layers hold packed 4-bit weights (CPU), how
+    many int8 groups (CUDA), how many dense ones, and the bytes of all weights as held."""
 
     int4_layers: int
     dense_layers: int
     weight_bytes: int
+    int8_layers: int = 0
+
+    @property
+    def id_suffix(self) -> str:
+        """What the weights' identity (chunk keys) adds to the checkpoint's fingerprint."""
+        return "+int4" if self.int4_layers else "+int8" if self.int8_layers else ""
 
     def describe(self) -> str:
         held = f"{self.weight_bytes / 2**20:.0f} MiB"
-        if not self.int4_layers:
+        if self.int4_layers:
+            packed = f"{self.int4_layers} linear layers packed 4-bit"
+        elif self.int8_layers:
+            packed = f"{self.int8_layers} linear layers held as int8 groups"
+        else:
             return f"{held}, every linear layer dense"
-        return (f"{held}, {self.int4_layers} linear layers packed 4-bit (--quantization gguf), "
-                f"{self.dense_layers} dense")
+        return f"{held}, {packed} (--quantization gguf), {self.dense_layers} dense"
 
 
-def load_weights(model: CausalLM, checkpoint: Checkpoint, int4: bool = False) -> LoadedWeights:
+PackedLinear = Int4Linear | Int8Linear
+
+
+def load_weights(model: CausalLM, checkpoint: Checkpoint, packed: bool = False,
+                 int8: bool | None = None) -> LoadedWeights:
     """Copy every checkpoint tensor into its (possibly fused) destination; all must be found.
     GGUF tensors arrive dequantized (float32) and are cast to the destination's dtype. With
-    `int4`, the linear layers (embedding and LM head included) whose every source tensor has a
-    packable type (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q8_0) become `Int4Linear`s holding the file's
-    values packed (quantized_linear.py)."""
-    targets: dict[str, tuple[torch.Tensor | Int4Linear, int, int]] = {}
+    `packed`, the linear layers (embedding and LM head included) whose every source tensor has
+    a packable type (Q4_0/1, Q4_K, Q5_0/1, Q5_K, Q8_0) hold the file's values: `Int4Linear`s on
+    CPU (quantized_linear.py), `Int8Linear`s on CUDA (int8_linear.py; `int8` True: on any
+    device, which on CPU runs the Triton kernels through Triton's interpreter, for tests)."""
+    targets: dict[str, tuple[torch.Tensor | PackedLinear, int, int]] = {}
     for name, dest, offset, rows in model.weight_targets():
         targets[name] = (dest, offset, rows)
-    packed = _int4_linears(model, checkpoint, targets) if int4 else {}
+    if int8 is None:
+        int8 = model.norm.weight.device.type == "cuda"
+    layers_of = _packed_linears(model, checkpoint, targets, int8) if packed else {}
     if checkpoint.gguf is not None:
-        tensors = gguf_weights(checkpoint.gguf, frozenset(packed))
+        tensors = gguf_weights(checkpoint.gguf, frozenset(layers_of), int8)
     else:
         tensors = _safetensors(checkpoint.weight_files, targets)
     loaded: set[str] = set()
     for name, tensor in tensors:
         dest, offset, rows = targets[name]
-        if isinstance(dest, Int4Linear):
+        if isinstance(dest, PackedLinear):
             dest.load(offset, tensor)
         elif tensor.shape[0] != rows or tensor.shape[1:] != dest.shape[1:]:
             raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected "
@@ -284,27 +304,29 @@ def load_weights(model: CausalLM, checkpoint: Checkpoint, int4: bool = False) ->
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
-    layers = {id(m): m for m in packed.values()}
+    layers = {id(m): m for m in layers_of.values()}
     for layer in layers.values():
         layer.pack()
     dense = sum(isinstance(m, Linear) for m in model.modules())
     held = sum(m.weight_bytes() for m in layers.values()) + sum(
         t.numel() * t.element_size() for t in model.parameters())
-    result = LoadedWeights(len(layers), dense, held)
+    result = (LoadedWeights(0, dense, held, len(layers)) if int8
+              else LoadedWeights(len(layers), dense, held))
     logger.info("weights: %s", result.describe())
     return result
 
 
-def _int4_linears(model: CausalLM, checkpoint: Checkpoint,
-                  targets: dict[str, tuple[torch.Tensor | Int4Linear, int, int]]
-                  ) -> dict[str, Int4Linear]:
+def _packed_linears(model: CausalLM, checkpoint: Checkpoint,
+                    targets: dict[str, tuple[torch.Tensor | PackedLinear, int, int]],
+                    int8: bool) -> dict[str, PackedLinear]:
     """Swap every `Linear` (and the embedding and LM head) whose weights all come from GGUF
-    tensors of a packable type, in a shape the kernel takes, for an `Int4Linear`, and point
-    `targets` at it; returns those weight names."""
+    tensors of a packable type, in a shape the kernel takes, for an `Int4Linear` (CPU) or an
+    `Int8Linear` (`int8`: CUDA), and point `targets` at it; returns those weight names."""
     if checkpoint.gguf is None:
         return {}
     planes = {t.hf_name: packed_planes(t.type_id) for t in checkpoint.gguf.tensors}
     mc = model.config
+    device = model.norm.weight.device
     # (weight names, rows, inputs, bias, install) of every candidate destination.
     candidates = []
     for path, m in model.named_modules():
@@ -318,19 +340,23 @@ def _int4_linears(model: CausalLM, checkpoint: Checkpoint,
     if "lm_head.weight" in targets:
         candidates.append((["lm_head.weight"], mc.vocab_size, mc.hidden_size, None,
                            model.pack_head))
-    packed: dict[str, Int4Linear] = {}
+    packed: dict[str, PackedLinear] = {}
     route = RowRoute()
     for names, rows, inputs, bias, install in candidates:
         need = [planes.get(n, 0) for n in names]
-        if not names or 0 in need or not int4_supported(inputs, rows, model.norm.weight.device):
+        fits = inputs % GROUP_SIZE == 0 if int8 else int4_supported(inputs, rows, device)
+        if not names or 0 in need or not fits:
             continue
-        layer = Int4Linear(inputs, rows, bias, max(need), route)
+        layer = (Int8Linear(inputs, rows, bias, device) if int8
+                 else Int4Linear(inputs, rows, bias, max(need), route))
         install(layer)
         for name in names:
             _, offset, n = targets[name]
             targets[name] = (layer, offset, n)
             packed[name] = layer
-    model.route = route if packed else None
+    # Int4 layers route rows by the token's kind (quantized_linear.RowRoute); int8 layers by
+    # the step's size alone, both of their paths multiplying by the same rounded weights.
+    model.route = route if packed and not int8 else None
     return packed
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..int8_linear import Int8Rows
 from ..quantized_linear import Int4Rows
 
 QK_K = 256  # values per K-quant super-block
@@ -154,10 +155,8 @@ def packed_planes(type_id: int) -> int:
     return _INT_DECODERS[type_id][0] if type_id in _INT_DECODERS else 0
 
 
-def int4_rows(raw: torch.Tensor, type_id: int, shape: tuple[int, int]) -> Int4Rows:
-    """Decode a tensor of a type with `packed_planes` into `Int4Rows` of `shape` [rows, K],
-    nothing rounded: `.dequantize()` equals `dequantize()` up to float32 rounding of the zero
-    (offset + 8 * scale)."""
+def _int_groups(raw: torch.Tensor, type_id: int, shape: tuple[int, int]
+                ) -> tuple[int, tuple[torch.Tensor, ...]]:
     if type_id not in _INT_DECODERS:
         raise ValueError(f"GGML type {type_id} cannot be held packed")
     tt = SUPPORTED_TENSOR_TYPES[type_id]
@@ -166,7 +165,22 @@ def int4_rows(raw: torch.Tensor, type_id: int, shape: tuple[int, int]) -> Int4Ro
                          f"{tensor_nbytes(type_id, shape)} bytes, got {raw.numel()}")
     planes, decode = _INT_DECODERS[type_id]
     q, scale, offset = decode(raw.reshape(-1, tt.type_size))
-    return Int4Rows.of_ints(q.reshape(shape), scale, offset, planes)
+    return planes, (q.reshape(shape), scale, offset)
+
+
+def int4_rows(raw: torch.Tensor, type_id: int, shape: tuple[int, int]) -> Int4Rows:
+    """Decode a tensor of a type with `packed_planes` into `Int4Rows` of `shape` [rows, K],
+    nothing rounded: `.dequantize()` equals `dequantize()` up to float32 rounding of the zero
+    (offset + 8 * scale)."""
+    planes, (q, scale, offset) = _int_groups(raw, type_id, shape)
+    return Int4Rows.of_ints(q, scale, offset, planes)
+
+
+def int8_rows(raw: torch.Tensor, type_id: int, shape: tuple[int, int]) -> Int8Rows:
+    """Decode a tensor of a type with `packed_planes` into `Int8Rows` of `shape` [rows, K]
+    (every such type's integers fit in int8), nothing rounded."""
+    _, (q, scale, offset) = _int_groups(raw, type_id, shape)
+    return Int8Rows.of_ints(q, scale, offset)
 
 
 def _float(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

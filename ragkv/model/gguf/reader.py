@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..file_digest import cache_root, file_digest
+from ..int8_linear import Int8Rows
 from ..layers import rope_inv_freq
 from ..model_config import ModelConfig
 from ..quantized_linear import Int4Rows
@@ -30,6 +31,7 @@ from .quants import (
     SUPPORTED_TENSOR_TYPES,
     dequantize,
     int4_rows,
+    int8_rows,
     supported_type_names,
     tensor_nbytes,
 )
@@ -153,10 +155,11 @@ def read_gguf(path: str) -> GGUFFile:
     )
 
 
-def gguf_weights(ckpt: GGUFFile, int4: frozenset[str] = frozenset()
-                 ) -> Iterator[tuple[str, torch.Tensor | Int4Rows]]:
+def gguf_weights(ckpt: GGUFFile, packed: frozenset[str] = frozenset(), int8: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | Int4Rows | Int8Rows]]:
     """(HF name, float32 tensor) for every weight, dequantized one at a time; the weights named
-    in `int4` (of a type with `packed_planes`) come as `Int4Rows` instead, nothing rounded."""
+    in `packed` (of a type with `packed_planes`) come as `Int4Rows` instead (`Int8Rows` with
+    `int8`), nothing rounded."""
     mc = ckpt.model_config
     with open(ckpt.path, "rb") as f:
         for t in ckpt.tensors:
@@ -166,8 +169,8 @@ def gguf_weights(ckpt: GGUFFile, int4: frozenset[str] = frozenset()
                 raise ValueError(f"{ckpt.path!r} ends inside tensor {t.name} (file truncated "
                                  "after it was inspected?)")
             raw = torch.frombuffer(buf, dtype=torch.uint8)
-            if t.hf_name in int4:
-                weight = int4_rows(raw, t.type_id, t.shape)
+            if t.hf_name in packed:
+                weight = (int8_rows if int8 else int4_rows)(raw, t.type_id, t.shape)
             else:
                 weight = dequantize(raw, t.type_id, t.shape)
             if ckpt.permuted_qk and ".attn_q." in t.name:
@@ -452,13 +455,15 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{layer}.{_BLOCK_PARTS[part]}.{suffix}"
 
 
-def _unpermute_rows(weight: torch.Tensor | Int4Rows, num_heads: int) -> torch.Tensor | Int4Rows:
+def _unpermute_rows(weight: torch.Tensor | Int4Rows | Int8Rows, num_heads: int
+                    ) -> torch.Tensor | Int4Rows | Int8Rows:
     """Undo llama.cpp's `permute`, which within each head moved row pairs (i, i + d/2) next to
     each other (rotate-half -> interleaved RoPE layout)."""
-    rows = weight.q.shape[0] if isinstance(weight, Int4Rows) else weight.shape[0]
+    packed = isinstance(weight, Int4Rows | Int8Rows)
+    rows = weight.q.shape[0] if packed else weight.shape[0]
     order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2)
     order = order.transpose(1, 2).reshape(rows)
-    if isinstance(weight, Int4Rows):
+    if packed:
         return weight.permute_rows(order)
     return weight[order]
 
