@@ -10,6 +10,8 @@
 #                                             # profiles + the whole suite
 #   bash benchmarks/gpu_session.sh recompute  # one device call, carry [".whl"]: the quality
 #                                             # modes' rows, then the GPU and recompute tests
+#   bash benchmarks/gpu_session.sh quant      # one device call, carry [".whl"]: the int8-group
+#                                             # kernels' tests, then bench_gpu_quant.py (~4 min)
 #   bash benchmarks/gpu_session.sh smoke      # here: the same bench commands, tiny, on CPU
 #
 # The device image has PyTorch, Triton, transformers, hypothesis, httpx, xxhash, numpy and
@@ -72,6 +74,12 @@ recompute)
         --json "$OUT/recompute.json" 2>&1 | tee "$OUT/bench_recompute.log"
     timeout 240 python3 -m pytest -q -n 8 -rfE tests/test_triton_kernels.py tests/test_gpu.py \
         tests/test_positions.py tests/test_recompute.py 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+quant)
+    on_device
+    timeout 240 python3 -m pytest -q -n 8 -rfE tests/test_int8_linear.py 2>&1 \
+        | tee "$OUT/quant_tests.log"
+    python3 benchmarks/bench_gpu_quant.py --json "$OUT/q8.json" 2>&1 | tee "$OUT/bench_q8.log"
     ;;
 smoke)
     tiny=(--layers 2 --hidden 256 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096
