@@ -8,7 +8,7 @@ Two parts:
   bytes at the measured copy bandwidth); a sweep of launch shapes for 1..64 rows; the
   numerics (largest error against the float32 product of the same bf16 weights);
 - `engine`: the 8B shape (random weights, HF checkpoint through ragkv's loader, as
-  bench_gpu.py) decoding at batch 1 and 32 and prefilling 4,288 tokens in bf16, then the same
+  bench_gpu.py) decoding at batch 1, 8 and 32 and prefilling 4,288 tokens in bf16, then the same
   engine with every linear layer, the embedding and the LM head quantized to Q8_0 in place
   (`Int8Linear.quantize_q8_0`, GGML's Q8_0 rule: what a Q8_0 GGUF of these weights holds) and
   its CUDA graphs captured again.
@@ -252,7 +252,7 @@ def engine(args, floors: dict, fig: dict, say) -> None:
 
     def measure(label: str, streamed: float) -> dict:
         row = {}
-        for batch in (1, 32):
+        for batch in (1, 8, 32):
             prompts = short[:batch]
             generate(prompts, 2)
             t1 = statistics.median(generate(prompts, 1) for _ in range(reps))
@@ -281,7 +281,8 @@ def engine(args, floors: dict, fig: dict, say) -> None:
     same = sum(a == b for a, b in zip(bf16["tokens"], q8["tokens"], strict=True))
     say(f"Q8_0 against bf16: {same}/4 greedy continuations identical (24 tokens; random "
         "weights, other weights: a measure of drift, not of quality)")
-    say(f"Q8_0 / bf16: decode batch 1 {q8['decode_b1_s'] / bf16['decode_b1_s']:.2f}x, batch 32 "
+    say(f"Q8_0 / bf16: decode batch 1 {q8['decode_b1_s'] / bf16['decode_b1_s']:.2f}x, batch 8 "
+        f"{q8['decode_b8_s'] / bf16['decode_b8_s']:.2f}x, batch 32 "
         f"{q8['decode_b32_s'] / bf16['decode_b32_s']:.2f}x, prefill "
         f"{q8['prefill_s'] / bf16['prefill_s']:.2f}x")
     llm.check_integrity()

@@ -79,7 +79,8 @@ quant)
     on_device
     timeout 240 python3 -m pytest -q -n 8 -rfE tests/test_int8_linear.py 2>&1 \
         | tee "$OUT/quant_tests.log"
-    python3 benchmarks/bench_gpu_quant.py --json "$OUT/q8.json" 2>&1 | tee "$OUT/bench_q8.log"
+    python3 benchmarks/bench_gpu_quant.py --parts engine,kernels,dot --json "$OUT/q8.json" 2>&1 \
+        | tee "$OUT/bench_q8.log"
     ;;
 smoke)
     tiny=(--layers 2 --hidden 256 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096
