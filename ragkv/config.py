@@ -100,9 +100,9 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
-    # vLLM's flag: "gguf" keeps a GGUF file's 4-bit weights packed (int4 kernels, bfloat16
-    # activations), "none" dequantizes every weight at load; None picks the faster one for the
-    # device and file (model/loader.py: use_packed).
+    # vLLM's flag: "gguf" keeps a GGUF file's quantized weights packed (CPU: 4-bit planes and
+    # int4 kernels; CUDA: int8 groups and Triton kernels), "none" dequantizes every weight at
+    # load; None picks the faster one for the device and file (model/loader.py: use_packed).
     quantization: str | None = None
     device: str = "auto"
     seed: int = 0

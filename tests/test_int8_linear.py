@@ -63,9 +63,10 @@ def build(rows: Int8Rows, bias: torch.Tensor | None = None, split: int = 1) -> I
     return layer
 
 
-def check_product(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """out = x @ w.T up to float32 accumulation order and the output's rounding."""
-    want = x.float() @ w.float().t()
+def check_product(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> None:
+    """out = x @ w.T (+ bias) up to float32 accumulation order and the output's rounding."""
+    want = x.float() @ w.float().t() + (0 if bias is None else bias.float())
     eps = torch.finfo(out.dtype).eps
     bound = eps * want.abs() + 1e-5 * (x.float().abs() @ w.float().abs().t()) + 1e-6
     assert out.shape == want.shape and out.dtype == x.dtype
@@ -113,10 +114,29 @@ def test_layer_matches_the_dense_layer(offset, m):
     w = rows.dequantize().to(DEVICE)
     x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m)).to(DEVICE)
     out = layer.forward(x)
-    check_product(out - bias, x, w)
+    check_product(out, x, w, bias)
     ids = torch.tensor([0, 7, 95], device=DEVICE)
     assert torch.equal(layer.rows(ids, torch.float32), w[ids])
     assert layer.weight_bytes() == 96 * 128 + 96 * 4 * 2 * (2 if offset else 1)
+
+
+@pytest.mark.parametrize("m", [2, KERNEL_MAX_ROWS + 1])
+def test_bias_is_added_before_the_one_rounding(m):
+    """In half precision the bias joins the float32 sum before the output is rounded, on the
+    kernel and the dense path alike (as the dense layer's GEMM adds it)."""
+    rows = random_rows(64, 96, True, seed=5)
+    bias = torch.randn(64, device=DEVICE).half()
+    layer = build(rows, bias)
+    w = rows.dequantize().to(DEVICE, torch.float16)
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
+    check_product(layer.forward(x), x, w, bias)
+
+
+def test_a_step_without_rows():
+    """A step whose logits rows are elsewhere hands the head no rows."""
+    layer = build(random_rows(32, 64, False, seed=8))
+    out = layer.forward(torch.empty(0, 64, device=DEVICE))
+    assert out.shape == (0, 32)
 
 
 def test_scales_that_are_not_float16_stay_float32():
@@ -132,6 +152,8 @@ def test_layer_refuses_misuse():
     with pytest.raises(ValueError, match="whole groups of 32"):
         Int8Linear(48, 32, None, DEVICE)
     layer = Int8Linear(64, 32, None, DEVICE)
+    with pytest.raises(RuntimeError, match="before pack"):
+        layer.forward(torch.randn(1, 64, device=DEVICE))
     rows = random_rows(32, 64, False, seed=3)
     with pytest.raises(ValueError, match="do not fit"):
         layer.load(16, rows)
@@ -147,12 +169,18 @@ def test_layer_refuses_misuse():
 def test_q8_0_quantization_rounds_each_value_to_its_group():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     w[3, :32] = 0  # an all-zero group: scale 0, values 0
+    w[5, :32] = 0
+    w[5, :5] = torch.tensor([127.0, 0.5, -0.5, 2.5, -1.5])  # d = 1: ties
     layer = Int8Linear.quantize_q8_0(w)
+    # GGML's roundf: halves away from zero.
+    assert layer.q[5, :5].tolist() == [127, 1, -1, 3, -2]
     assert layer.q.dtype == torch.int8 and layer.scale.dtype == torch.float16
     assert layer.offset is None
     back = layer.dequantize(torch.float32)
     d = layer.scale.float().repeat_interleave(32, dim=1)
-    assert bool(((back - w).abs() <= d / 2 + 1e-6).all())
+    # Half a step, plus q (at most 127) times the float16 rounding of d (GGML rounds against
+    # the float32 d and stores d as float16).
+    assert bool(((back - w).abs() <= d * (0.5 + 127 * 2.0 ** -11) + 1e-6).all())
     assert bool((back[3, :32] == 0).all())
 
 
@@ -188,6 +216,8 @@ def test_loader_holds_the_files_values(family, ckpt_root, checkpoint):
         assert torch.equal(layer.dequantize(torch.float32), want.weight)
     ids = torch.tensor([0, 5, mc.vocab_size - 1], device=DEVICE)
     assert torch.equal(packed.embed(ids), dense.embed(ids))
+    head = dense.embed_tokens if mc.tie_word_embeddings else dense.lm_head
+    assert torch.equal(packed.packed_head.dequantize(torch.float32), head)
     assert packed.route is None  # int8 layers route by size alone
 
 

@@ -74,9 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser,
                              "float16")
     parser.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
                         help="gguf: keep a GGUF file's quantized weights (Q4_0/1, Q4_K, Q5_0/1, "
-                             "Q5_K, Q8_0) packed, computed by int4 kernels on CPU; none: "
-                             "dequantize every weight at load (default: gguf for such a file "
-                             "on CPU unless --dtype float32, else none)")
+                             "Q5_K, Q8_0) packed: int4 kernels on CPU, int8 groups and Triton "
+                             "kernels on CUDA; none: dequantize every weight at load (default: "
+                             "gguf for such a file on CPU unless --dtype float32, else none)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the engine's sampling (requests may give their own)")

@@ -79,7 +79,7 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
     num_requests = num_requests or 2 * len(QUESTIONS)
     llm = LLM(model, quantization=quantization)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    packed = llm.engine.weights.int4_layers > 0
+    packed = bool(llm.engine.weights.id_suffix)
     print(f"Weights: {llm.engine.weights.describe()}.")
     requests = _requests(llm, num_requests)
     sizes = [len(c) for _, _, p in requests for c in p.chunks]
@@ -154,9 +154,9 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
     if all(n == num_requests for n in same):
         return 0
     if packed:  # docs/quantization.md: close, not bit-exact
-        print("Packed 4-bit weights round a decoded token's input to bfloat16, so a near tie "
-              "can go either way between a warm and a cold run; --quantization none computes "
-              "bit-exact reuse.")
+        print("Packed weights compute a decoded token in other kernels than a prompt's, so a "
+              "near tie can go either way between a warm and a cold run; --quantization none "
+              "computes bit-exact reuse.")
         return 0
     return 1
 

@@ -115,26 +115,29 @@ class Int8Linear(nn.Module):
     @classmethod
     def quantize_q8_0(cls, weight: torch.Tensor, bias: torch.Tensor | None = None
                       ) -> Int8Linear:
-        """A layer holding `weight` [N, K] quantized as GGML's Q8_0 does (per 32 values:
-        d = max|w| / 127 as float16, q = round(w / d)), on the weight's device. For measuring
-        and testing the int8 path on models with dense checkpoints."""
+        """A layer holding `weight` [N, K] quantized by GGML's reference Q8_0 rule (per 32
+        values: d = max|w| / 127, q = w / d rounded half away from zero, d stored as float16),
+        on the weight's device. For measuring and testing the int8 path on models with dense
+        checkpoints."""
         n, k = weight.shape
         layer = cls(k, n, bias, weight.device)
         w = weight.detach().float().view(n, -1, GROUP_SIZE)
-        d = (w.abs().amax(dim=-1) / 127).half()
-        inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-        q = torch.round(w * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-        layer.q, layer.scale, layer.offset = q.view(n, k), d, None
+        d = w.abs().amax(dim=-1) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        v = w * inv.unsqueeze(-1)
+        q = (torch.sign(v) * torch.floor(v.abs() + 0.5)).to(torch.int8)
+        layer.q, layer.scale, layer.offset = q.view(n, k), d.half(), None
         layer._q = layer._scale = layer._offset = layer._loaded = None
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in_features] -> [T, out_features] in x's dtype."""
+        """x [T, in_features] -> [T, out_features] in x's dtype; the bias is added before the
+        output's one rounding on both paths, as the dense layer's GEMM adds it."""
+        if self.q is None:
+            raise RuntimeError("Int8Linear used before pack()")
         if x.shape[0] <= KERNEL_MAX_ROWS:
-            out = triton_quant.int8_matmul(x, self.q, self.scale, self.offset)
-        else:
-            out = F.linear(x, self.dequantize(x.dtype))
-        return out if self.bias is None else out + self.bias
+            return triton_quant.int8_matmul(x, self.q, self.scale, self.offset, bias=self.bias)
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """W [N, K] in `dtype`, as the dense layer would hold it."""

@@ -40,10 +40,10 @@ def available() -> bool:
 class MatmulConfig:
     """One launch shape of `int8_matmul`. dot False: the GEMV kernel, one program per block_n
     rows of W and block_m rows of x, each weight tile dequantized once for its block_m rows;
-    dot True: the tl.dot kernel (block_m, block_n >= 16). `fast_cvt`: int8 to float32 by
-    exponent bits (an integer add and a float subtract) rather than the conversion
-    instruction, which runs at a quarter of the rate; `round_w` False (measurement only)
-    skips rounding each weight to the activations' dtype."""
+    dot True: the tl.dot kernel (block_m, block_n >= 16). GEMV only: `fast_cvt`, int8 to
+    float32 by exponent bits (an integer add and a float subtract) rather than the conversion
+    instruction, which runs at a quarter of the rate (the dot kernel always does); `round_w`
+    False (measurement only) skips rounding each weight to the activations' dtype."""
 
     block_m: int
     block_n: int
@@ -101,8 +101,8 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _int8_gemv_kernel(X, Q, S, OFF, Y, M, N, K, stride_xm, stride_ym,
-                          HAS_OFFSET: tl.constexpr, GROUP: tl.constexpr,
+    def _int8_gemv_kernel(X, Q, S, OFF, B, Y, M, N, K, stride_xm, stride_ym,
+                          HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           FAST_CVT: tl.constexpr, ROUND_W: tl.constexpr):
         pid_n = tl.program_id(0)
@@ -143,17 +143,22 @@ if triton is not None:
                                 mask=col * 0 + m0 + i < M, other=0.0).to(tl.float32)
                     part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
                     acc += tl.where(rm[:, None] == i, part[None, :], 0.0)
+        if HAS_BIAS:  # added in float32 before the one rounding, as the dense GEMM does
+            bias = tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)
+        else:
+            bias = tl.zeros((BLOCK_N,), dtype=tl.float32)
         if BLOCK_M == 1:
-            y = tl.sum(tl.sum(acc3, axis=2), axis=1)
+            y = tl.sum(tl.sum(acc3, axis=2), axis=1) + bias
             tl.store(Y + m0.to(tl.int64) * stride_ym + rn, y.to(Y.dtype.element_ty), mask=n_ok)
         else:
             out = Y + (m0 + rm).to(tl.int64)[:, None] * stride_ym + rn[None, :]
-            tl.store(out, acc.to(Y.dtype.element_ty),
+            tl.store(out, (acc + bias[None, :]).to(Y.dtype.element_ty),
                      mask=(m0 + rm < M)[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _int8_mm_kernel(X, Q, S, OFF, Y, M, N, K, stride_xm, stride_ym,
-                        HAS_OFFSET: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
+    def _int8_mm_kernel(X, Q, S, OFF, B, Y, M, N, K, stride_xm, stride_ym,
+                        HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
+                        IEEE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -188,6 +193,8 @@ if triton is not None:
                 acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         out = Y + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
         tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -203,12 +210,14 @@ if triton is not None:
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                offset: torch.Tensor | None, config: MatmulConfig | None = None
-                ) -> torch.Tensor:
-    """x [M, K] @ W.T -> [M, N] in x's dtype, W = q [N, K] int8 * scale (+ offset), both
-    [N, K // 32] (float16 or float32)."""
+                offset: torch.Tensor | None, config: MatmulConfig | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T (+ bias) -> [M, N] in x's dtype, W = q [N, K] int8 * scale (+ offset),
+    both [N, K // 32] (float16 or float32)."""
     m, k = x.shape
     n = q.shape[0]
+    if m == 0:  # a step whose rows are all elsewhere (no logits rows, say)
+        return x.new_empty(0, n)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m, n, k)
@@ -217,17 +226,20 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     has_offset = offset is not None
     o = offset if has_offset else scale
+    b = bias if bias is not None else scale
     if not cfg.dot:
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-        _int8_gemv_kernel[grid](x, q, scale, o, y, m, n, k, x.stride(0), y.stride(0),
-                                HAS_OFFSET=has_offset, GROUP=GROUP_SIZE, BLOCK_M=cfg.block_m,
+        _int8_gemv_kernel[grid](x, q, scale, o, b, y, m, n, k, x.stride(0), y.stride(0),
+                                HAS_OFFSET=has_offset, HAS_BIAS=bias is not None,
+                                GROUP=GROUP_SIZE, BLOCK_M=cfg.block_m,
                                 BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                                 FAST_CVT=cfg.fast_cvt, ROUND_W=cfg.round_w,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-        _int8_mm_kernel[grid](x, q, scale, o, y, m, n, k, x.stride(0), y.stride(0),
-                              HAS_OFFSET=has_offset, GROUP=GROUP_SIZE,
+        _int8_mm_kernel[grid](x, q, scale, o, b, y, m, n, k, x.stride(0), y.stride(0),
+                              HAS_OFFSET=has_offset, HAS_BIAS=bias is not None,
+                              GROUP=GROUP_SIZE,
                               IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m,
                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
