@@ -350,8 +350,9 @@ def text_of(tok, n: int, special: bool, rng: random.Random) -> str:
     raise RuntimeError(f"no text of {n} tokens found")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(parser: argparse.ArgumentParser, kv_cache_gb: float) -> None:
+    """The device, dtype and model shape flags (the 8B shape by default), for the GPU
+    benchmarks that build a random-weight checkpoint (`build_checkpoint`)."""
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--layers", type=int, default=32)
@@ -360,7 +361,12 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--kv-cache-gb", type=float, default=12.0)
+    parser.add_argument("--kv-cache-gb", type=float, default=kv_cache_gb)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser, kv_cache_gb=12.0)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")

@@ -34,7 +34,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gpu import build_checkpoint, ids, measure_floors, timed  # noqa: E402
+from bench_gpu import add_model_args, build_checkpoint, ids, measure_floors, timed  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the 8B model's layers
     "qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -291,15 +291,7 @@ def engine(args, floors: dict, fig: dict, say) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=4096)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=14336)
-    parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--kv-cache-gb", type=float, default=8.0)
+    add_model_args(parser, kv_cache_gb=8.0)
     parser.add_argument("--parts", default="kernels,engine")
     parser.add_argument("--sweep", action="store_true", help="sweep launch shapes too")
     parser.add_argument("--quick", action="store_true")

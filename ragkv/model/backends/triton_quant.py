@@ -101,6 +101,24 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _grouped_tile(Q, S, OFF, rows, n_ok, k0, K, HAS_OFFSET: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_K: tl.constexpr, FAST_CVT: tl.constexpr):
+        """W's rows `rows` (int64), columns k0 .. k0 + BLOCK_K as [rows, groups, GROUP] in
+        float32: each group's scale (and offset) loaded once and broadcast along the group in
+        registers (a scale gathered per value costs a load per value)."""
+        G: tl.constexpr = BLOCK_K // GROUP
+        rg = tl.arange(0, G)
+        col = k0 + rg[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [G, GROUP]
+        q = tl.load(Q + rows[:, None, None] * K + col[None, :, :], mask=n_ok[:, None, None],
+                    other=0)
+        g = rows[:, None] * (K // GROUP) + (k0 // GROUP + rg)[None, :]
+        s = tl.load(S + g, mask=n_ok[:, None], other=0.0)
+        w = _int8_to_f32(q, FAST_CVT) * s.to(tl.float32)[:, :, None]
+        if HAS_OFFSET:
+            w += tl.load(OFF + g, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        return w
+
+    @triton.jit
     def _int8_gemv_kernel(X, Q, S, OFF, B, Y, M, N, K, stride_xm, stride_ym,
                           HAS_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -109,27 +127,17 @@ if triton is not None:
         m0 = tl.program_id(1) * BLOCK_M
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        # Tiles [BLOCK_N, groups, GROUP]: each scale loaded once and broadcast along its group
-        # in registers rather than gathered per value.
         G: tl.constexpr = BLOCK_K // GROUP
         rg = tl.arange(0, G)
         rj = tl.arange(0, GROUP)
         rows = rn.to(tl.int64)
-        groups = K // GROUP
         rm = tl.arange(0, BLOCK_M)
         acc3 = tl.zeros((BLOCK_N, G, GROUP), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            col = k0 + rg[:, None] * GROUP + rj[None, :]  # [G, GROUP]
-            q = tl.load(Q + rows[:, None, None] * K + col[None, :, :],
-                        mask=n_ok[:, None, None], other=0)
-            g = k0 // GROUP + rg
-            s = tl.load(S + rows[:, None] * groups + g[None, :], mask=n_ok[:, None], other=0.0)
-            w = _int8_to_f32(q, FAST_CVT) * s.to(tl.float32)[:, :, None]
-            if HAS_OFFSET:
-                o = tl.load(OFF + rows[:, None] * groups + g[None, :], mask=n_ok[:, None],
-                            other=0.0)
-                w += o.to(tl.float32)[:, :, None]
+            col = k0 + rg[:, None] * GROUP + rj[None, :]  # [G, GROUP], x's columns
+            w = _grouped_tile(Q, S, OFF, rows, n_ok, k0, K, HAS_OFFSET, GROUP, BLOCK_K,
+                              FAST_CVT)
             if ROUND_W:
                 # Rounded to x's dtype as the dense layer's weight is; each product below is
                 # exact in float32 (two 8- or 11-bit mantissas).
@@ -167,25 +175,11 @@ if triton is not None:
         m_ok = rm < M
         n_ok = rn < N
         x_rows = X + rm.to(tl.int64)[:, None] * stride_xm
-        G: tl.constexpr = BLOCK_K // GROUP
-        rg = tl.arange(0, G)
-        rj = tl.arange(0, GROUP)
         rows = rn.to(tl.int64)
-        groups = K // GROUP
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            # The weight tile as [BLOCK_N, groups, GROUP], each scale loaded once (a scale
-            # gathered per value costs a load per value), then flattened for the dot.
-            col = k0 + rg[:, None] * GROUP + rj[None, :]
-            q = tl.load(Q + rows[:, None, None] * K + col[None, :, :],
-                        mask=n_ok[:, None, None], other=0)
-            g = k0 // GROUP + rg
-            s = tl.load(S + rows[:, None] * groups + g[None, :], mask=n_ok[:, None], other=0.0)
-            w = _int8_to_f32(q, True) * s.to(tl.float32)[:, :, None]
-            if HAS_OFFSET:
-                o = tl.load(OFF + rows[:, None] * groups + g[None, :], mask=n_ok[:, None],
-                            other=0.0)
-                w += o.to(tl.float32)[:, :, None]
+            # The weight tile by groups, then flattened for the dot.
+            w = _grouped_tile(Q, S, OFF, rows, n_ok, k0, K, HAS_OFFSET, GROUP, BLOCK_K, True)
             rk = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None], other=0.0)
             w = tl.reshape(w.to(x.dtype), (BLOCK_N, BLOCK_K))
