@@ -184,8 +184,10 @@ def dot(args, floors: dict, fig: dict, say) -> None:
                         t = bench(functools.partial(tq.int8_matmul, x, q, scale, None, cfg))
                         results.append((t, cfg))
                     except Exception as e:  # noqa: BLE001 - a tile that does not fit
-                        say(f"dot {name} M={m} {cfg}: failed ({type(e).__name__})")
+                        say(f"dot {name} M={m} {cfg}: failed ({type(e).__name__}: {e})")
             results.sort(key=lambda r: r[0])
+            if not results:
+                continue
             ref = x.float() @ w.float().t()
             err = (tq.int8_matmul(x, q, scale, None, results[0][1]).float() - ref).abs().max()
             bf16 = bench(functools.partial(torch.nn.functional.linear, x, w))
