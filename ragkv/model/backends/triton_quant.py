@@ -14,6 +14,8 @@ for bit those of the dequantized dense layer; only the float32 accumulation orde
   int8 into float32 by exponent bits rather than the quarter-rate conversion instruction;
 - `int8_dequantize`: W in the activations' dtype, for steps of many rows (prefill), whose
   dense GEMM is compute-bound and faster than any fused kernel here.
+
+All three build W's tiles with `_grouped_tile`.
 """
 
 from __future__ import annotations
@@ -84,21 +86,6 @@ if triton is not None:
             # the float 2^23 + 128 + q exactly; subtracting 2^23 + 128 leaves q.
             return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
         return q.to(tl.float32)
-
-    @triton.jit
-    def _dequant_tile(Q, S, OFF, rn, rk, n_ok, K, HAS_OFFSET: tl.constexpr,
-                      GROUP: tl.constexpr):
-        """W's tile [rows rn, columns rk] in float32 (the caller rounds it to the
-        activations' dtype, as the dense layer holds it)."""
-        rows = rn.to(tl.int64)[:, None]
-        q = tl.load(Q + rows * K + rk[None, :], mask=n_ok[:, None], other=0)
-        groups = K // GROUP
-        g = (rk // GROUP)[None, :]
-        s = tl.load(S + rows * groups + g, mask=n_ok[:, None], other=0.0)
-        w = q.to(tl.float32) * s.to(tl.float32)
-        if HAS_OFFSET:
-            w += tl.load(OFF + rows * groups + g, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        return w
 
     @triton.jit
     def _grouped_tile(Q, S, OFF, rows, n_ok, k0, K, HAS_OFFSET: tl.constexpr,
@@ -196,11 +183,14 @@ if triton is not None:
     def _int8_dequant_kernel(Q, S, OFF, W, N, K, HAS_OFFSET: tl.constexpr, GROUP: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        k0 = tl.program_id(1) * BLOCK_K
         n_ok = rn < N
-        w = _dequant_tile(Q, S, OFF, rn, rk, n_ok, K, HAS_OFFSET, GROUP)
-        out = W + rn.to(tl.int64)[:, None] * K + rk[None, :]
-        tl.store(out, w.to(W.dtype.element_ty), mask=n_ok[:, None])
+        rows = rn.to(tl.int64)
+        w = _grouped_tile(Q, S, OFF, rows, n_ok, k0, K, HAS_OFFSET, GROUP, BLOCK_K, True)
+        G: tl.constexpr = BLOCK_K // GROUP
+        col = k0 + tl.arange(0, G)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        out = W + rows[:, None, None] * K + col[None, :, :]
+        tl.store(out, w.to(W.dtype.element_ty), mask=n_ok[:, None, None])
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -221,8 +211,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     has_offset = offset is not None
     o = offset if has_offset else scale
     b = bias if bias is not None else scale
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
     if not cfg.dot:
-        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
         _int8_gemv_kernel[grid](x, q, scale, o, b, y, m, n, k, x.stride(0), y.stride(0),
                                 HAS_OFFSET=has_offset, HAS_BIAS=bias is not None,
                                 GROUP=GROUP_SIZE, BLOCK_M=cfg.block_m,
@@ -230,7 +220,6 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                                 FAST_CVT=cfg.fast_cvt, ROUND_W=cfg.round_w,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m))
         _int8_mm_kernel[grid](x, q, scale, o, b, y, m, n, k, x.stride(0), y.stride(0),
                               HAS_OFFSET=has_offset, HAS_BIAS=bias is not None,
                               GROUP=GROUP_SIZE,
