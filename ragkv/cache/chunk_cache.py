@@ -281,8 +281,15 @@ class ChunkCache:
             return
         for chunk in chunks:
             key = chunk.key
-            if (key in self._entries or key in self._loads or key in self._arrived
-                    or not self._has_room(chunk)):
+            if key in self._arrived:
+                # Still wanted: the request asks again each step it waits, so a record that
+                # landed before the read it waits for is not aged out meanwhile (to be read
+                # again, and counted twice, when the request gets to it).
+                read_for, record, _ = self._arrived[key]
+                self._arrived[key] = (read_for, record, self._polls)
+                self._arrived.move_to_end(key)
+                continue
+            if key in self._entries or key in self._loads or not self._has_room(chunk):
                 continue
             meta = self.meta(chunk)
             found = self.store.get_local(meta)
