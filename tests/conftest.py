@@ -75,8 +75,20 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    # Every layer sees the last 24 positions.
+    "mistral_window": ("MistralConfig", {"sliding_window": 24}),
+    # Two sliding layers (window 16, RoPE base 10k) and a full one (1M), Gemma's norms,
+    # scaled embedding, attention scale and final soft-capping.
+    "gemma3": ("Gemma3TextConfig", {
+        "num_hidden_layers": 3, "head_dim": 32, "num_key_value_heads": 1,
+        "sliding_window": 16, "query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": 10000.0}}}),
 }
-MAIN_FAMILIES = ["llama", "llama_linear_bias", "llama3", "yarn", "mistral", "qwen2", "qwen3"]
+MAIN_FAMILIES = ["llama", "llama_linear_bias", "llama3", "yarn", "mistral", "qwen2", "qwen3",
+                 "mistral_window", "gemma3"]
 
 
 def write_checkpoint(path: str, family: str, seed: int = 0) -> str:

@@ -105,15 +105,41 @@ def extend_layout(positions: list[int], visible: torch.Tensor, num_new: int,
     return positions + list(range(last + 1, last + 1 + num_new)), grown
 
 
+def windowed(positions: list[int], visible: torch.Tensor, window: int) -> torch.Tensor:
+    """`visible` under a sliding window: a token at position p sees only tokens at positions
+    > p - window (docs/rag.md)."""
+    pos = torch.tensor(positions)
+    return visible & (pos[:, None] - pos[None, :] < window)
+
+
+def _additive(visible: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=torch.float32)
+    mask.masked_fill_(~visible, float("-inf"))
+    return mask[None, None]
+
+
+def attention_masks(config, positions: list[int], visible: torch.Tensor):
+    """The explicit mask HF's model takes: one 4-D additive mask, or, for a model with full
+    and sliding-window layers, one per layer type (HF applies no window of its own to an
+    explicit mask)."""
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        layer_types = getattr(config, "layer_types", None) or ()
+        if "full_attention" in layer_types:
+            return {"full_attention": _additive(visible),
+                    "sliding_attention": _additive(windowed(positions, visible, window))}
+        if not layer_types or "sliding_attention" in layer_types:
+            return _additive(windowed(positions, visible, window))
+    return _additive(visible)
+
+
 @torch.inference_mode()
 def reference_logits(hf_model, token_ids: list[int], positions: list[int],
                      visible: torch.Tensor) -> torch.Tensor:
     """Next-token logits after the last token, float32 [vocab]."""
-    mask = torch.zeros(visible.shape, dtype=torch.float32)
-    mask.masked_fill_(~visible, float("-inf"))
     return hf_model(
         input_ids=torch.tensor([token_ids]),
-        attention_mask=mask[None, None],
+        attention_mask=attention_masks(hf_model.config, positions, visible),
         position_ids=torch.tensor([positions]),
     ).logits[0, -1].float()
 

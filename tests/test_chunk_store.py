@@ -1213,7 +1213,7 @@ def test_a_planned_chunk_evicted_since_comes_back_from_the_store():
     chunk = ChunkKey(b"k" * 32, "ns", (1, 2), tuple(range(20)))
     assert cache.lookup(chunk) is None
     entry = cache.reserve(chunk)
-    pool.write(entry.slots, torch.randn(2, 2, 20, 2, 16))
+    pool.write(entry.slots, torch.randn(2, 2, 20, 2, 16), 0)
     kv = pool.read(entry.slots)[0]
     cache.complete(entry)
     cache.unpin(entry)

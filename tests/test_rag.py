@@ -146,7 +146,7 @@ def llama(checkpoint, hf_model):
 # -------------------------------------------------------------------------------- scenarios
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_rag_scenarios_match_reference(family, checkpoint, hf_model):
     path = checkpoint(family)
     rag_scenarios(make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512), hf_model(path))

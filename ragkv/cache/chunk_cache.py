@@ -350,7 +350,8 @@ class ChunkCache:
         if entry is None:
             return None
         try:
-            self.pool.write(entry.slots, kv)
+            # Its keys sit at its base positions: after its system tokens (none if standalone).
+            self.pool.write(entry.slots, kv, len(chunk.system))
         except BaseException:
             self.abandon(entry)  # never left reserved without an owner
             raise

@@ -47,15 +47,9 @@ class PoolSize:
         return 1 + self.general_tokens
 
 
-def model_len_limit(config: EngineConfig, max_context_len: int,
-                    sliding_window: int | None) -> int:
+def model_len_limit(config: EngineConfig, max_context_len: int) -> int:
     """max_model_len from the config (checked against the model's limit) or the model."""
     limit = max_context_len
-    if sliding_window is not None and sliding_window < limit:
-        # Full attention equals sliding-window attention only within the window.
-        logger.warning("model uses a sliding window of %d tokens: max_model_len is capped there",
-                       sliding_window)
-        limit = sliding_window
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
@@ -138,6 +132,9 @@ class KVPool:
         self.zero_padding_slot()
         self.k = self.kv[0]
         self.v = self.kv[1]
+        # The position each slot's key is rotated for (written with the key by the runner
+        # and by `write`'s callers): what a sliding window measures distances from.
+        self.pos = torch.zeros(num_slots, dtype=torch.int32, device=device)
 
     def zero_padding_slot(self) -> None:
         """Padded gathers read slot 0 under a mask; uninitialised memory could hold NaN, and
@@ -162,9 +159,13 @@ class KVPool:
         ready.record()
         return host, ready
 
-    def write(self, slots: list[int], kv: torch.Tensor) -> None:
-        """Put `kv` ([2, layers, len(slots), kv_heads, head_dim], any device) into `slots`."""
-        self.kv.index_copy_(2, self._index(slots), kv.to(self.kv.device, non_blocking=True))
+    def write(self, slots: list[int], kv: torch.Tensor, first_position: int) -> None:
+        """Put `kv` ([2, layers, len(slots), kv_heads, head_dim], any device), whose keys are
+        rotated for positions first_position, first_position + 1, ..., into `slots`."""
+        index = self._index(slots)
+        self.kv.index_copy_(2, index, kv.to(self.kv.device, non_blocking=True))
+        self.pos[index] = torch.arange(first_position, first_position + len(slots),
+                                       dtype=torch.int32, device=self.pos.device)
 
     def _index(self, slots: list[int]) -> torch.Tensor:
         # Through pinned memory on a GPU: a copy from pageable memory waits for the stream.

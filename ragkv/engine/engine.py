@@ -79,7 +79,7 @@ class Engine:
         packed = use_packed(config, checkpoint, self.device)
         self.dtype = resolve_dtype(config, self.device, checkpoint.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
-        max_len = model_len_limit(config, mc.max_context_len, mc.sliding_window)
+        max_len = model_len_limit(config, mc.max_context_len)
         self.model = CausalLM(mc, max_len, self.dtype, self.device).eval()
         self.weights = load_weights(self.model, checkpoint, packed)
         # Packed weights compute other values than dequantized ones: other chunk KV.

@@ -1,8 +1,13 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over flattened, unpadded tokens.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) over flattened, unpadded
+tokens.
 
 The families differ only in switches of `ModelConfig`: bias on q/k/v (Qwen2) or on all
-projections (Llama's attention_bias), RMSNorm on q and k per head (Qwen3), an explicit head
-dimension, tied embeddings.
+projections (Llama's attention_bias), RMSNorm on q and k per head (Qwen3, Gemma 3), an explicit
+head dimension, tied embeddings; Gemma 3's norms around attention and MLP, scaled embedding,
+attention scale and final soft-capping. Layers come in attention *kinds* (`ModelConfig.
+attention_kinds`): a sliding window and a RoPE of their own (Gemma 3: sliding layers with base
+10k, full ones with 1M). Each kind has its rotary table and its attention metadata per step
+(the window and the turn table are the kind's); most models have one kind.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ class Attention(nn.Module):
         self.head_dim = mc.head_dim
         self.q_size = mc.num_heads * mc.head_dim
         self.kv_size = mc.num_kv_heads * mc.head_dim
-        self.scale = mc.head_dim ** -0.5
+        self.scale = (mc.query_pre_attn_scalar or mc.head_dim) ** -0.5
         self.qkv_proj = Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, mc.qkv_bias,
                                dtype, device)
         self.o_proj = Linear(self.q_size, mc.hidden_size, mc.o_bias, dtype, device)
@@ -86,7 +91,14 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(mc.hidden_size, mc.intermediate_size, mc.mlp_bias, mc.hidden_act,
                             dtype, device)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
+        # pre_feedforward_layernorm).
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+        # Gemma's norms of the attention and MLP outputs, before their residual adds.
+        self.attn_output_norm = self.mlp_output_norm = None
+        if mc.sandwich_norms:
+            self.attn_output_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
+            self.mlp_output_norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
 
 
 class CausalLM(nn.Module):
@@ -107,8 +119,13 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
         self.lm_head = (None if mc.tie_word_embeddings
                         else empty_param(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device))
-        self.rotary = RotaryEmbedding(mc.head_dim, mc.rope, mc.max_position_embeddings, max_len,
-                                      dtype, device)
+        kinds, self.layer_kind = mc.attention_kinds
+        # Per attention kind, its window and its rotary table.
+        self.windows = tuple(window for window, _ in kinds)
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(mc.head_dim, rope, mc.max_position_embeddings, max_len, dtype,
+                            device) for _, rope in kinds)
+        self.rotary = self.rotaries[0]
         # The embedding and the LM head held packed (`--quantization gguf`), or None; with
         # packed layers, the path of each row (quantized_linear.RowRoute), set per forward.
         self.packed_embedding: Int4Linear | None = None
@@ -127,26 +144,42 @@ class CausalLM(nn.Module):
         self.packed_head = layer
         self.lm_head = None
 
+    @property
+    def num_kinds(self) -> int:
+        return len(self.windows)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedded tokens [len(ids), hidden]: the residual stream's start."""
         if self.packed_embedding is not None:
-            return self.packed_embedding.rows(ids, self.dtype)
-        return self.embed_tokens[ids]
+            x = self.packed_embedding.rows(ids, self.dtype)
+        else:
+            x = self.embed_tokens[ids]
+        if self.config.embed_scale is not None:
+            # As HF: the scale rounded to the weights' dtype first.
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_indices: torch.Tensor, pool: KVPool, meta: AttentionMetadata,
+                logits_indices: torch.Tensor, pool: KVPool,
+                meta: AttentionMetadata | tuple[AttentionMetadata, ...],
                 backend: AttentionBackend,
                 key_positions: torch.Tensor | None = None,
                 prompt_rows: int | None = None) -> torch.Tensor:
-        """`key_positions`: RoPE positions of the keys where they differ from `positions`
-        (selectively recomputed chunk tokens); never with dynamic RoPE. `prompt_rows`: with
-        packed layers, the first rows are that many prompt tokens, the rest generated ones
-        (RowRoute)."""
-        cos, sin = self.rotary.cos_sin(positions, meta.seq_lens, meta.q_lens)
-        key_rope = None if key_positions is None else self.rotary.cos_sin(key_positions)
+        """`meta`: the step's metadata, or one per attention kind (`num_kinds`) where they
+        differ (a window that cuts, turns). `key_positions`: RoPE positions of the keys where
+        they differ from `positions` (selectively recomputed chunk tokens); never with dynamic
+        RoPE. `prompt_rows`: with packed layers, the first rows are that many prompt tokens,
+        the rest generated ones (RowRoute)."""
+        metas = meta if isinstance(meta, tuple) else (meta,) * self.num_kinds
+        ropes = [r.cos_sin(positions, metas[0].seq_lens, metas[0].q_lens)
+                 for r in self.rotaries]
+        key_ropes = ([None] * self.num_kinds if key_positions is None
+                     else [r.cos_sin(key_positions) for r in self.rotaries])
+        kind_of = self.layer_kind
 
         def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor:
-            return attn.forward(x, cos, sin, i, pool, meta, backend, key_rope)
+            k = kind_of[i]
+            return attn.forward(x, *ropes[k], i, pool, metas[k], backend, key_ropes[k])
 
         if self.route is not None:
             self.route.prompt_rows = prompt_rows
@@ -157,9 +190,14 @@ class CausalLM(nn.Module):
                 self.route.prompt_rows = None  # the head and the probes go by size
         h = self.norm.forward(residual[logits_indices] + h[logits_indices])
         if self.packed_head is not None:
-            return self.packed_head.forward(h).float()
-        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return torch.nn.functional.linear(h, head).float()
+            logits = self.packed_head.forward(h).float()
+        else:
+            head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+            logits = torch.nn.functional.linear(h, head).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def run_layers(self, residual: torch.Tensor,
                    attend: Callable[[int, Attention, torch.Tensor], torch.Tensor | None]
@@ -183,8 +221,12 @@ class CausalLM(nn.Module):
             h = attend(i, layer.self_attn, x)
             if h is None:
                 return None, residual
+            if layer.attn_output_norm is not None:
+                h = layer.attn_output_norm.forward(h)
             x, residual = layer.post_attention_layernorm.forward_add(h, residual)
             h = layer.mlp.forward(x)
+            if layer.mlp_output_norm is not None:
+                h = layer.mlp_output_norm.forward(h)
         return h, residual
 
     def use_fused_ops(self, ops: frozenset[str]) -> None:
@@ -195,6 +237,8 @@ class CausalLM(nn.Module):
         for layer in self.layers:
             layer.input_layernorm.fused = norms
             layer.post_attention_layernorm.fused = norms
+            if layer.attn_output_norm is not None:
+                layer.attn_output_norm.fused = layer.mlp_output_norm.fused = norms
             layer.mlp.fused = "silu_mul" in ops
             # Qwen3's q/k norms come before RoPE, which the fused kernel does not apply.
             attn = layer.self_attn
@@ -233,5 +277,13 @@ class CausalLM(nn.Module):
                 down = getattr(mlp.down_proj, suffix)
                 yield p + f"mlp.down_proj.{suffix}", down, 0, mc.hidden_size
             yield p + "input_layernorm.weight", layer.input_layernorm.weight, 0, mc.hidden_size
-            yield (p + "post_attention_layernorm.weight", layer.post_attention_layernorm.weight,
-                   0, mc.hidden_size)
+            if mc.sandwich_norms:  # HF's Gemma names
+                yield (p + "post_attention_layernorm.weight", layer.attn_output_norm.weight, 0,
+                       mc.hidden_size)
+                yield (p + "pre_feedforward_layernorm.weight",
+                       layer.post_attention_layernorm.weight, 0, mc.hidden_size)
+                yield (p + "post_feedforward_layernorm.weight", layer.mlp_output_norm.weight,
+                       0, mc.hidden_size)
+            else:
+                yield (p + "post_attention_layernorm.weight",
+                       layer.post_attention_layernorm.weight, 0, mc.hidden_size)

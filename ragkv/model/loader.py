@@ -290,8 +290,11 @@ def load_weights(model: CausalLM, checkpoint: Checkpoint, packed: bool = False,
     else:
         tensors = _safetensors(checkpoint.weight_files, targets)
     loaded: set[str] = set()
+    plus_one = model.config.norm_plus_one
     for name, tensor in tensors:
         dest, offset, rows = targets[name]
+        if plus_one and name.endswith("norm.weight"):
+            tensor = 1.0 + tensor.float()  # Gemma applies 1 + w, computed as HF does
         if isinstance(dest, PackedLinear):
             dest.load(offset, tensor)
         elif tensor.shape[0] != rows or tensor.shape[1:] != dest.shape[1:]:

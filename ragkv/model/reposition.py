@@ -57,6 +57,10 @@ class TurnTable:
         """(start, end, delta) turns as (start, end, row) of this table."""
         return tuple((a, b, self.rows[d]) for a, b, d in turns)
 
+    def deltas(self, device: torch.device) -> torch.Tensor:
+        """[rows + 1] int64: each row's delta, then 0 (index -1: no turn)."""
+        return torch.tensor([*self.rows, 0], dtype=torch.int64, device=device)
+
     def for_queries(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin turning a query back by each row's delta."""
         if self._back is None:

@@ -7,6 +7,7 @@ imports the engine side: a work is anything with the fields of `Work`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -80,7 +81,9 @@ class ModelRunner:
         self.num_kv_heads = pool.k.shape[2]
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
-        self.backend = get_attention_backend(config.attention_backend, device)
+        # Sliding windows (model/backends/base.py) apply on the torch backend.
+        self.windows = any(w is not None for w in model.windows)
+        self.backend = get_attention_backend(config.attention_backend, device, self.windows)
         model.use_fused_ops(self.backend.fused_ops)
         self.graphs = None  # DecodeGraphs once captured
         self.extend_graphs = None  # ExtendGraphs once captured
@@ -181,22 +184,47 @@ class ModelRunner:
             num_kv_heads=self.num_kv_heads, table=table, rows=rows, prefix=prefix)
         if any(x is not None for x in query_index):
             batch.query_index = query_index
-        if any(w.turns for w in works):
-            ordered = [works[i] for i in order]
-            batch.turn_table = TurnTable.build(self.model.rotary,
-                                               (d for w in ordered for _, _, d in w.turns))
-            batch.turns = [batch.turn_table.by_row(w.turns) for w in ordered]
-        meta = AttentionMetadata(write_slots=batch.write_slots,
-                                 state=self.backend.prepare(batch), seq_lens=seq_lens,
-                                 q_lens=q_lens)
+        ordered = [works[i] for i in order]
         # One transfer for ids, positions and logits rows.
         n = len(input_ids)
         extra = key_positions or []
         dev_ids = int64_tensor(input_ids + positions + extra + logits_rows).to(self.device)
         keys = dev_ids[2 * n:3 * n] if extra else None
+        if self.windows:  # the keys' positions, for the windows of this and later steps
+            self.pool.pos[batch.write_slots] = (dev_ids[n:2 * n] if keys is None
+                                                else keys).to(torch.int32)
+        shared: dict[tuple, AttentionMetadata] = {}
+        metas = tuple(self._metadata(batch, ordered, k, dev_ids[n:2 * n], seq_lens, shared)
+                      for k in range(self.model.num_kinds))
         return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
-                          self.pool, meta, self.backend, key_positions=keys,
+                          self.pool, metas, self.backend, key_positions=keys,
                           prompt_rows=prompt_rows)
+
+    def _metadata(self, batch: AttentionBatch, works: Sequence[Work], kind: int,
+                  positions: torch.Tensor, seq_lens: list[int],
+                  shared: dict[tuple, AttentionMetadata]) -> AttentionMetadata:
+        """The step's metadata for the layers of attention kind `kind`: its turn table (its
+        RoPE's rotations), its window where it hides something. Kinds that see the step alike
+        share one (`shared`, by what differs)."""
+        window = self.model.windows[kind]
+        windowed = [window is not None and s > window for s in seq_lens]
+        turns = any(w.turns for w in works)
+        key = (kind if turns else None, window if any(windowed) else None)
+        if key in shared:
+            return shared[key]
+        batch = dataclasses.replace(batch)
+        if turns:
+            batch.turn_table = TurnTable.build(self.model.rotaries[kind],
+                                               (d for w in works for _, _, d in w.turns))
+            batch.turns = [batch.turn_table.by_row(w.turns) for w in works]
+        if any(windowed):
+            batch.window, batch.windowed = window, windowed
+            batch.query_positions, batch.slot_positions = positions, self.pool.pos
+        meta = AttentionMetadata(write_slots=batch.write_slots,
+                                 state=self.backend.prepare(batch), seq_lens=seq_lens,
+                                 q_lens=batch.q_lens)
+        shared[key] = meta
+        return meta
 
     @torch.inference_mode()
     def warmup(self, num_tokens: int) -> None:

@@ -42,7 +42,7 @@ from ..model.backends.base import (
 from ..model.backends.torch_sdpa import turned_keys_attention, turned_probs
 from ..model.layers import apply_rotary
 from ..model.llama import Attention, CausalLM
-from ..model.reposition import Turn, TurnTable
+from ..model.reposition import Turn, TurnTable, entry_turns
 
 # Bound on the attention weights one block of probe queries materializes (float32 elements).
 _BLOCK_ELEMENTS = 1 << 25
@@ -85,16 +85,27 @@ class ProbeWork:
         `query` probe with `own_slots` runs as a step."""
         device = pool.k.device
         index = torch.tensor(self.kv_slots, dtype=torch.long, device=device)
-        table = TurnTable.build(model.rotary, sorted({d for _, _, d in self.turns}))
-        rows = table.by_row(self.turns)
-        rotation = table.per_entry(rows, len(self.kv_slots))
+        deltas = sorted({d for _, _, d in self.turns})
+        # Per attention kind (its RoPE), the turns' table and each entry's rotation.
+        tables = [TurnTable.build(rotary, deltas) for rotary in model.rotaries]
+        rows = tables[0].by_row(self.turns)  # the same rows in every table
+        rotations = [t.per_entry(rows, len(self.kv_slots)) for t in tables]
+        # Where the model has sliding windows: each list entry's position as the request
+        # sees it (its slot's key position, turned).
+        entry_pos = None
+        if any(w is not None for w in model.windows):
+            entry_pos = pool.pos[index].long()
+            if rows:
+                turn_rows = entry_turns(list(rows), len(self.kv_slots), device).long()
+                entry_pos += tables[0].deltas(device)[turn_rows]
         first, last = self.chunks
         scores = torch.zeros(last - first, dtype=torch.float64, device=device)
         if self.kind != "blend":
             step = None
             if backend is not None and self.own_slots:
-                step = self._step(model, pool, backend, index, table, rows)
-            self._probe(model, pool, index, rotation, 0, len(self.token_ids), scores, step)
+                step = self._step(model, pool, backend, index, tables, rows)
+            self._probe(model, pool, index, rotations, entry_pos, 0, len(self.token_ids),
+                        scores, step)
             return scores.float().cpu()
         # The chunk tokens attend to the cached KV alone, not to each other's fresh K/V, so
         # they go through the layers `block_tokens` at a time: memory stays within the step
@@ -103,41 +114,57 @@ class ProbeWork:
         deviations = {layer: torch.zeros_like(scores) for layer in self.check_layers}
         for t0 in range(self.skip, last - first, self.block_tokens):
             t1 = min(last - first, t0 + self.block_tokens)
-            self._probe(model, pool, index, rotation, t0, t1, deviations)
+            self._probe(model, pool, index, rotations, entry_pos, t0, t1, deviations)
         for layer in sorted(deviations):
             dev = deviations[layer]
             scores.add_(dev / dev.sum().clamp_min(1e-30))
         return scores.float().cpu()
 
     def _step(self, model: CausalLM, pool: KVPool, backend: AttentionBackend,
-              index: torch.Tensor, table: TurnTable, rows: tuple[Turn, ...]
-              ) -> tuple[AttentionBackend, AttentionMetadata]:
+              index: torch.Tensor, tables: list[TurnTable], rows: tuple[Turn, ...]
+              ) -> tuple[AttentionBackend, tuple[AttentionMetadata, ...]]:
         """The probed tokens as one step of the attention backend: a sequence whose list is
         the request's up to the question (`index`, on the device) plus the tokens' own
-        slots, keys turned like any reuse."""
-        own = torch.tensor(self.own_slots, dtype=torch.long, device=index.device)
-        batch = AttentionBatch(
-            q_lens=[len(self.own_slots)], kv_lens=[len(self.kv_slots) + len(self.own_slots)],
-            q_starts=[0], kv_indices=[torch.cat([index, own]).to(torch.int32)],
-            write_slots=own, num_heads=model.config.num_heads, num_kv_heads=pool.k.shape[2],
-            rows=[0], prefix=[False])
-        if rows:
-            batch.turns, batch.turn_table = [rows], table
-        return backend, AttentionMetadata(write_slots=own, state=backend.prepare(batch))
+        slots, keys turned like any reuse; one metadata per attention kind."""
+        device = index.device
+        own = torch.tensor(self.own_slots, dtype=torch.long, device=device)
+        positions = torch.tensor(self.positions, device=device)
+        metas = []
+        for table, window in zip(tables, model.windows, strict=True):
+            batch = AttentionBatch(
+                q_lens=[len(self.own_slots)],
+                kv_lens=[len(self.kv_slots) + len(self.own_slots)], q_starts=[0],
+                kv_indices=[torch.cat([index, own]).to(torch.int32)], write_slots=own,
+                num_heads=model.config.num_heads, num_kv_heads=pool.k.shape[2], rows=[0],
+                prefix=[False])
+            if rows:
+                batch.turns, batch.turn_table = [rows], table
+            if window is not None and max(self.positions) >= window:
+                pool.pos[own] = torch.tensor(self.key_positions, dtype=torch.int32,
+                                             device=device)
+                batch.window, batch.windowed = window, [True]
+                batch.query_positions, batch.slot_positions = positions, pool.pos
+            metas.append(AttentionMetadata(write_slots=own, state=backend.prepare(batch)))
+        return backend, tuple(metas)
 
     def _probe(self, model: CausalLM, pool: KVPool, index: torch.Tensor,
-               rotation: tuple[torch.Tensor, torch.Tensor] | None, t0: int, t1: int,
-               into, step: tuple[AttentionBackend, AttentionMetadata] | None = None) -> None:
+               rotations: list[tuple[torch.Tensor, torch.Tensor] | None],
+               entry_pos: torch.Tensor | None, t0: int, t1: int, into,
+               step: tuple[AttentionBackend, tuple[AttentionMetadata, ...]] | None = None
+               ) -> None:
         """Probed tokens t0 .. t1-1 through the layers: `query` adds its normalized weights
         to the scores `into`; `blend` puts each check layer's deviations of its tokens
-        (chunk tokens t0 .. t1-1) into `into[layer]`. `rotation`: each list entry's cos/sin
-        turning its key forward (`TurnTable.per_entry`). `step` (a `query` probe with its
+        (chunk tokens t0 .. t1-1) into `into[layer]`. `rotations`: per attention kind, each
+        list entry's cos/sin turning its key forward (`TurnTable.per_entry`); `entry_pos`:
+        each entry's position (None: no sliding window). `step` (a `query` probe with its
         own slots): the layers outside the check layers run as the backend's step."""
         device = pool.k.device
         n = t1 - t0
         p0, p1 = t0 - self.skip, t1 - self.skip  # blend: token_ids begin at `skip`
-        cos, sin = model.rotary.cos_sin(torch.tensor(self.positions[p0:p1], device=device))
-        key_rope = model.rotary.cos_sin(torch.tensor(self.key_positions[p0:p1], device=device))
+        positions = torch.tensor(self.positions[p0:p1], device=device)
+        key_positions = torch.tensor(self.key_positions[p0:p1], device=device)
+        ropes = [r.cos_sin(positions) for r in model.rotaries]
+        key_ropes = [r.cos_sin(key_positions) for r in model.rotaries]
         first, last = self.chunks
         check_layers = self.check_layers
         final = max(check_layers)
@@ -145,11 +172,22 @@ class ProbeWork:
         # What the block's queries attend to: for `blend` the cached list up to its last
         # token, for `query` all of it plus the question's own fresh K/V.
         visible = first + t1 if blend else len(self.kv_slots)
+        # Per window, [n, entries] whether each query is near enough each entry to see it.
+        near = {}
+        if entry_pos is not None:
+            keys_at = entry_pos[:visible]
+            if not blend:
+                keys_at = torch.cat([keys_at, key_positions])
+            for w in set(model.windows) - {None}:
+                near[w] = positions[:, None] - keys_at[None, :] < w
 
         def attend(i: int, attn: Attention, x: torch.Tensor) -> torch.Tensor | None:
+            kind = model.layer_kind[i]
+            cos, sin = ropes[kind]
             if step is not None and i not in check_layers:
-                return attn.forward(x, cos, sin, i, pool, step[1], step[0])
-            q, k, v = attn.qkv(x, cos, sin, key_rope)
+                return attn.forward(x, cos, sin, i, pool, step[1][kind], step[0])
+            rotation = rotations[kind]
+            q, k, v = attn.qkv(x, cos, sin, key_ropes[kind])
             keys = pool.k[i].index_select(0, index[:visible])
             values = pool.v[i].index_select(0, index[:visible])
             if blend:
@@ -165,7 +203,8 @@ class ProbeWork:
             if not blend:
                 keys, values = torch.cat([keys, k.to(keys.dtype)]), torch.cat([values, v])
             weigh = (first, last) if not blend and i in check_layers else None
-            out, weight = _attend(q, keys, values, attn.scale, weigh)
+            out, weight = _attend(q, keys, values, attn.scale, weigh,
+                                  near.get(model.windows[kind]))
             if weight is not None:
                 into.add_(weight / weight.sum().clamp_min(1e-30))
             if i == final:
@@ -177,17 +216,20 @@ class ProbeWork:
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-            weigh: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weigh: tuple[int, int] | None, near: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Bottom-right causal attention of q over keys (already turned) in row blocks (each
     block's scores stay within _BLOCK_ELEMENTS); with `weigh` = [a, b) also the attention
-    weight of all queries and heads on each of entries a .. b-1 (float64)."""
+    weight of all queries and heads on each of entries a .. b-1 (float64). `near`: [n,
+    k_len] the entries each query's sliding window lets it see."""
     n, heads, d = q.shape
     k_len, kv_heads = keys.shape[0], keys.shape[1]
     block = max(1, _BLOCK_ELEMENTS // (heads * k_len))
-    if weigh is None and block >= n:  # no weights wanted: one fused call over turned keys
+    plain = near is None and weigh is None  # no window, no weights: fused calls
+    if plain and block >= n:  # one fused call over turned keys
         mask = causal_mask(n, n, q.device) if n > 1 else None
         return turned_keys_attention(q, keys, values, (), None, scale, mask), None
-    if weigh is None:
+    if plain:
         # The same, block by block: each block of queries over the entries up to its last
         # one, the mask over its own rows.
         out = torch.empty_like(q)
@@ -200,7 +242,9 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
         return out, None
     group = heads // kv_heads
     out = torch.empty_like(q)
-    weight = torch.zeros(weigh[1] - weigh[0], dtype=torch.float64, device=q.device)
+    weight = None
+    if weigh is not None:
+        weight = torch.zeros(weigh[1] - weigh[0], dtype=torch.float64, device=q.device)
     vs = values.float().transpose(0, 1)
     for t0 in range(0, n, block):
         t1 = min(n, t0 + block)
@@ -208,8 +252,12 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
         # first query's last.
         seen = torch.arange(t0, t1, device=q.device)[:, None] + (k_len - n)
         mask = torch.arange(k_len - n + t0, k_len, device=q.device)[None, :] <= seen
+        if near is not None:
+            mask = torch.cat([mask.new_ones(t1 - t0, k_len - mask.shape[1]), mask], dim=1)
+            mask &= near[t0:t1]
         probs = turned_probs(q[t0:t1], keys, (), None, scale, mask)
-        weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
+        if weight is not None:
+            weight += probs[..., weigh[0]:weigh[1]].sum(dim=(0, 1)).double()
         o = probs @ vs  # [kv_heads, group * rows, d]
         out[t0:t1] = o.view(kv_heads, group, t1 - t0, d).permute(2, 0, 1, 3).reshape(
             t1 - t0, heads, d).to(q.dtype)

@@ -10,6 +10,11 @@ Nothing else: chunk isolation, shared system prompts and decode are all just whi
 in the list. Positions feed RoPE only and travel separately. A backend writes the step's new
 K/V into the pool and computes attention.
 
+Sliding-window layers (`window`) add one rule: a query at position p sees only the entries
+of its list whose keys sit at positions > p - window, the key's position being the one its
+RoPE rotation says (`KVPool.pos` of its slot, plus the turn of its range below). Attention
+kinds with other windows or RoPE tables get their own `AttentionBatch` and prepared state.
+
 Two RAG additions, both in the loads, never in the pool:
 - turns (model/reposition.py): ranges of a sequence's list whose keys it sees turned forward
   by a position delta (a cached chunk placed elsewhere than its keys were rotated for);
@@ -29,7 +34,7 @@ from typing import Protocol
 import torch
 
 from ...cache.kv_pool import KVPool
-from ..reposition import Turn, TurnTable
+from ..reposition import Turn, TurnTable, entry_turns
 
 # The fused model ops a backend may offer (`AttentionBackend.fused_ops`): the residual add and
 # RMSNorm, silu(gate) * up, and RoPE on q and k with the K/V store (then `attend`).
@@ -58,6 +63,14 @@ class AttentionBatch:
     # Per sequence, its query entries (ascending, on the device) or None for bottom-right
     # causal; empty: none this step.
     query_index: list[torch.Tensor | None] = field(default_factory=list)
+    # The sliding window of the layers this batch serves and what applying it needs: each
+    # new token's position [T] and each slot's key position (KVPool.pos), on the device;
+    # `windowed[i]`: whether the window may hide a key from sequence i (some query at a
+    # position >= window). None: no window, or none that hides anything this step.
+    window: int | None = None
+    query_positions: torch.Tensor | None = None
+    slot_positions: torch.Tensor | None = None
+    windowed: list[bool] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -80,6 +93,32 @@ class AttentionBatch:
             first = int(index[0])  # ascending: no query sees less than the first one does
             return torch.arange(first, k, device=device)[None, :] <= index[:, None]
         return causal_mask(q, q, device) if q > 1 else None
+
+
+    def windows(self, i: int) -> bool:
+        """Whether sequence i's attention is cut by the sliding window (`window_mask`)."""
+        return self.window is not None and self.windowed[i]
+
+    def key_positions(self, i: int) -> torch.Tensor:
+        """[k] the position of each entry of sequence i's list as the sequence sees it: its
+        slot's key position, turned forward by its range's delta."""
+        kp = self.slot_positions[self.kv_indices[i].long()]
+        if self.turned(i):
+            rows = entry_turns(list(self.turns[i]), self.kv_lens[i], kp.device).long()
+            kp = kp + self.turn_table.deltas(kp.device)[rows]  # row -1: the appended 0
+        return kp
+
+    def window_mask(self, i: int, device: torch.device) -> torch.Tensor:
+        """[q, k] bool over sequence i's whole list: the contract's mask (`mask`) and the
+        sliding window together."""
+        q, k = self.q_lens[i], self.kv_lens[i]
+        qs = self.q_starts[i]
+        qpos = self.query_positions[qs:qs + q]
+        visible = qpos[:, None] - self.key_positions(i)[None, :] < self.window
+        tail = self.mask(i, device)
+        if tail is not None:
+            visible[:, k - tail.shape[1]:] &= tail
+        return visible
 
 
 @dataclass(slots=True)

@@ -34,6 +34,8 @@ class _TorchState:
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     # Masks of sequences attended through `attend_turned` (AttentionBatch.mask).
     seq_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # [q, k] masks of sequences whose sliding window cuts (`attend_windowed`).
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     batch: AttentionBatch | None = None
 
 
@@ -214,6 +216,52 @@ def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
     return out
 
 
+def attend_windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    batch: AttentionBatch, i: int, mask: torch.Tensor, scale: float,
+                    out: torch.Tensor) -> None:
+    """Sequence i of the step under its [q, k] window mask (AttentionBatch.window_mask),
+    keys turned first, in row blocks: each block attends over the span of entries some of
+    its rows see (a window keeps that span about window + block wide in long prompts)."""
+    qs, ql = batch.q_starts[i], batch.q_lens[i]
+    index = batch.kv_indices[i]
+    ks = k_cache.index_select(0, index)
+    if batch.turned(i):
+        ks = turn_keys(ks, batch.turns[i], batch.turn_table)  # a float32 copy, turned
+    ks, vs = ks.float(), v_cache.index_select(0, index).float()
+    qf = q[qs:qs + ql].float()
+    heads = q.shape[1]
+    for t0 in range(0, ql, _WINDOW_BLOCK):
+        t1 = min(ql, t0 + _WINDOW_BLOCK)
+        rows = mask[t0:t1]
+        seen = rows.any(0).nonzero()
+        a, b = int(seen[0]), int(seen[-1]) + 1
+        o = F.scaled_dot_product_attention(
+            qf[t0:t1].transpose(0, 1).unsqueeze(0), ks[a:b].transpose(0, 1).unsqueeze(0),
+            vs[a:b].transpose(0, 1).unsqueeze(0), attn_mask=rows[:, a:b], scale=scale,
+            enable_gqa=heads != ks.shape[1])
+        out[qs + t0:qs + t1] = o[0].transpose(0, 1).to(q.dtype)
+
+
+# Query rows per block of `attend_windowed`.
+_WINDOW_BLOCK = 256
+
+
+def decode_window_mask(batch: AttentionBatch, decode: list[int], max_k: int,
+                       device: torch.device) -> torch.Tensor:
+    """[B, 1, 1, max_k] bool for the decode rows `decode`: the entries each sees through the
+    sliding window (False on the padding)."""
+    rows = []
+    for i in decode:
+        k = batch.kv_lens[i]
+        near = torch.ones(max_k, dtype=torch.bool, device=device)
+        near[k:] = False
+        if batch.windows(i):
+            qpos = batch.query_positions[batch.q_starts[i]]
+            near[:k] = qpos - batch.key_positions(i) < batch.window
+        rows.append(near)
+    return torch.stack(rows)[:, None, None, :]
+
+
 # From this many queries on, a sequence with turns turns its keys instead of its queries.
 _TURN_KEYS_FROM = 64
 
@@ -252,12 +300,17 @@ class TorchAttentionBackend:
                 lengths = torch.tensor(lens, device=device)
                 mask = torch.arange(max_k, device=device)[None, :] < lengths[:, None]
                 state.decode_mask = mask[:, None, None, :]
+            if any(batch.windows(i) for i in decode):
+                state.decode_mask = decode_window_mask(batch, decode, max_k, device)
             state.decode_rows = torch.tensor([batch.q_starts[i] for i in decode], device=device)
             state.all_decode = len(decode) == batch.num_seqs
             if any(batch.turned(i) for i in decode):
                 state.decode_turns = build_decode_turns(batch, decode, max_k, device)
         for i in state.extend_seqs:
             q, k = batch.q_lens[i], batch.kv_lens[i]
+            if batch.windows(i):
+                state.window_masks[i] = batch.window_mask(i, device)
+                continue
             if batch.turned(i) or batch.indexed(i):
                 # Gathered from the pool even when the list is only the new tokens (recomputed
                 # chunk tokens with no S before them): the new K/V are written first.
@@ -295,6 +348,10 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for i in state.extend_seqs:
             qs, ql, kl = batch.q_starts[i], batch.q_lens[i], batch.kv_lens[i]
+            if i in state.window_masks:
+                attend_windowed(q, k_cache, v_cache, batch, i, state.window_masks[i], scale,
+                                out)
+                continue
             if i in state.seq_masks:
                 attend_turned(q, k_cache, v_cache, batch, i, state.extend_index[i],
                               state.seq_masks[i], scale, out)
