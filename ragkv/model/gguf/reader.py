@@ -25,7 +25,7 @@ import torch
 from ..file_digest import cache_root, file_digest
 from ..int8_linear import Int8Rows
 from ..layers import rope_inv_freq
-from ..model_config import ModelConfig
+from ..model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from ..quantized_linear import Int4Rows
 from .quants import (
     SUPPORTED_TENSOR_TYPES,
@@ -45,6 +45,7 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "mistral": ("MistralForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "gemma3": ("Gemma3ForCausalLM", False),
 }
 
 _INSTALL_HINT = "pip install gguf (or pip install -e '.[gguf]')"
@@ -69,6 +70,18 @@ _BLOCK_PARTS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's norms around attention and MLP (llama.cpp's names): ffn_norm is the norm before the
+# MLP, HF's pre_feedforward_layernorm, and post_attention_norm the norm of the attention output.
+_SANDWICH_PARTS = {
+    **_BLOCK_PARTS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Gemma 3 as llama.cpp runs it when the file does not say otherwise: every sixth layer full
+# attention, the others sliding with RoPE base 10k.
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +155,8 @@ def read_gguf(path: str) -> GGUFFile:
     expected = _expected_shapes(model_config)
     _check_names_and_shapes(table, expected, path)
     tensors = tuple(
-        GGUFTensor(name, _hf_name(name), *table[name]) for name in expected
+        GGUFTensor(name, _hf_name(name, model_config.sandwich_norms), *table[name])
+        for name in expected
     )
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return GGUFFile(
@@ -173,6 +187,10 @@ def gguf_weights(ckpt: GGUFFile, packed: frozenset[str] = frozenset(), int8: boo
                 weight = (int8_rows if int8 else int4_rows)(raw, t.type_id, t.shape)
             else:
                 weight = dequantize(raw, t.type_id, t.shape)
+            if mc.norm_plus_one and t.name.endswith("norm.weight"):
+                # llama.cpp's converter stored Gemma's norm weights as 1 + w; HF's are w
+                # (and HF loading this file subtracts 1 as here).
+                weight = weight - 1
             if ckpt.permuted_qk and ".attn_q." in t.name:
                 weight = _unpermute_rows(weight, mc.num_heads)
             elif ckpt.permuted_qk and ".attn_k." in t.name:
@@ -309,25 +327,63 @@ def _model_config(meta: _Metadata, arch: str, table: dict, reader) -> ModelConfi
     family = SUPPORTED_GGUF_ARCHITECTURES[arch][0]
     if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
         family = "MistralForCausalLM"  # llama.cpp files Mistral under llama; only the name differs
+    num_layers = meta.require(key("block_count"))
+    window = meta.get(key("attention.sliding_window")) or None
+    rope = _rope(meta, arch, head_dim, context_length, table, reader)
+    gemma: dict = {}
+    if arch == "gemma3":
+        gemma = _gemma3(meta, num_layers, hidden, num_heads, head_dim, window)
     return ModelConfig(
         architecture=family,
         vocab_size=table["token_embd.weight"][1][0],
         hidden_size=hidden,
-        num_layers=meta.require(key("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         intermediate_size=meta.require(key("feed_forward_length")),
         rms_norm_eps=float(meta.require(key("attention.layer_norm_rms_epsilon"))),
         max_position_embeddings=context_length,
-        rope=_rope(meta, arch, head_dim, context_length, table, reader),
+        rope=rope,
         # Bias and norm tensors present in the file decide the variant, as in HF configs.
         qkv_bias="blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_gate.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
         tie_word_embeddings="output.weight" not in names,
-        sliding_window=meta.get(key("attention.sliding_window")) or None,
+        sliding_window=window,
+        **gemma,
+    )
+
+
+def _gemma3(meta: _Metadata, num_layers: int, hidden: int, num_heads: int, head_dim: int,
+            window: int | None) -> dict:
+    """The ModelConfig fields of a Gemma 3 file beyond Llama's, as llama.cpp reads it: the
+    layer pattern (`attention.sliding_window_pattern`: every n-th layer full, or one flag
+    per layer; absent: every sixth), the sliding layers' RoPE base (`rope.freq_base_swa`,
+    absent: 10k), the attention scale (1/sqrt(head_dim); 1/sqrt(hidden/heads) for the
+    62-layer 27B) and the final soft-capping."""
+    if not window:
+        raise ValueError("GGUF gemma3 file without gemma3.attention.sliding_window: ragkv "
+                         "cannot tell which positions its sliding layers see")
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_PATTERN)
+    if isinstance(pattern, list) and len(pattern) == num_layers:
+        sliding = [bool(p) for p in pattern]
+    elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        raise ValueError(f"unsupported gemma3.attention.sliding_window_pattern {pattern!r}: "
+                         f"ragkv reads a period or one flag per layer ({num_layers})")
+    local_base = float(meta.get("gemma3.rope.freq_base_swa", _GEMMA3_LOCAL_BASE))
+    family = SUPPORTED_ARCHITECTURES["Gemma3ForCausalLM"]
+    return dict(
+        hidden_act="gelu_pytorch_tanh",
+        layer_windows=tuple(int(window) if s else None for s in sliding),
+        local_rope={"rope_type": "default", "rope_theta": local_base},
+        query_pre_attn_scalar=hidden / num_heads if num_layers == 62 else head_dim,
+        sandwich_norms=family["sandwich_norms"], norm_plus_one=family["norm_plus_one"],
+        embed_scale=hidden ** 0.5,
+        final_logit_softcapping=meta.get("gemma3.final_logit_softcapping") or None,
     )
 
 
@@ -429,6 +485,8 @@ def _expected_shapes(mc: ModelConfig) -> dict[str, tuple[int, ...]]:
         if mc.mlp_bias:
             layer.update({"ffn_gate.bias": (inter,), "ffn_up.bias": (inter,),
                           "ffn_down.bias": (h,)})
+        if mc.sandwich_norms:
+            layer.update({"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)})
         shapes.update({p + name: shape for name, shape in layer.items()})
     return shapes
 
@@ -448,11 +506,12 @@ def _check_names_and_shapes(table: dict, expected: dict, path: str) -> None:
                              f"implies {shape}")
 
 
-def _hf_name(name: str) -> str:
+def _hf_name(name: str, sandwich: bool) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     _, layer, part, suffix = name.split(".")
-    return f"model.layers.{layer}.{_BLOCK_PARTS[part]}.{suffix}"
+    parts = _SANDWICH_PARTS if sandwich else _BLOCK_PARTS
+    return f"model.layers.{layer}.{parts[part]}.{suffix}"
 
 
 def _unpermute_rows(weight: torch.Tensor | Int4Rows | Int8Rows, num_heads: int
