@@ -48,9 +48,10 @@ GGUF_FAMILIES = {
     "mistral": ("llama", "tiny Mistral", GT.Q5_1, GT.Q8_0),  # llama.cpp files Mistral as llama
     "qwen2": ("qwen2", "tiny qwen2", GT.Q4_1, GT.Q5_0),
     "qwen3": ("qwen3", "tiny qwen3", GT.F32, GT.F32),
+    "gemma3": ("gemma3", "tiny gemma3", GT.Q8_0, GT.Q8_0),
 }
 _GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-              "qwen3": gguf.MODEL_ARCH.QWEN3}
+              "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3": gguf.MODEL_ARCH.GEMMA3}
 # Bytes of every fp16 scale in a block (random bytes there would be NaN/inf or huge).
 _FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
                 "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -168,11 +169,13 @@ def add_builtin_tokenizer(w, hf_dir: str) -> None:
 
 def write_gguf(hf_dir: str, path: str, family: str, *, arch: str | None = None,
                tokenizer: bool = False, types: dict | None = None,
-               skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+               skip: tuple[str, ...] = (), swa: tuple | None = None
+               ) -> dict[str, torch.Tensor]:
     """Convert a tiny HF checkpoint as llama.cpp would; returns the weights the file holds,
     dequantized, in HF layout and names (what HF must hold to be the reference). `types`
     overrides the encoding of some tensors (a type gguf cannot quantize gets zero bytes);
-    tensors named in `skip` are left out."""
+    tensors named in `skip` are left out; `swa`: Gemma's (window, layer pattern) written
+    instead of the config's (None in either: that key left out)."""
     import transformers
     from safetensors.torch import load_file
 
@@ -183,6 +186,9 @@ def write_gguf(hf_dir: str, path: str, family: str, *, arch: str | None = None,
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     rope = dict(cfg.rope_parameters)
+    gemma = file_arch == "gemma3"
+    if gemma:  # one RoPE per layer type
+        local, rope = rope["sliding_attention"], rope["full_attention"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
     w = gguf.GGUFWriter(path, arch or file_arch)
     w.add_name(name)
@@ -205,6 +211,15 @@ def write_gguf(hf_dir: str, path: str, family: str, *, arch: str | None = None,
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if gemma:
+        window, pattern = swa or (cfg.sliding_window,
+                                  [t == "sliding_attention" for t in cfg.layer_types])
+        if window is not None:
+            w.add_sliding_window(window)
+        if pattern is not None:
+            w.add_sliding_window_pattern(pattern)
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     if tokenizer:
         add_builtin_tokenizer(w, hf_dir)
     names = gguf.get_tensor_name_map(_GGUF_ARCH[file_arch], cfg.num_hidden_layers)
@@ -213,6 +228,9 @@ def write_gguf(hf_dir: str, path: str, family: str, *, arch: str | None = None,
         base, suffix = hf_name.rsplit(".", 1)
         gguf_name = f"{names.get_name(base)}.{suffix}"
         data = tensor.float().numpy()
+        plus_one = gemma and base.endswith("norm")
+        if plus_one:  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+            data = data + 1
         qtype = GT.F32 if data.ndim == 1 else (
             embed_type if gguf_name == "token_embd.weight" else weight_type)
         qtype = (types or {}).get(gguf_name, qtype)
@@ -223,6 +241,8 @@ def write_gguf(hf_dir: str, path: str, family: str, *, arch: str | None = None,
         except NotImplementedError:
             raw = np.zeros(gguf.quants.quant_shape_to_byte_shape(data.shape, qtype), np.uint8)
         held[hf_name] = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+        if plus_one:  # and HF's GGUF loader subtracts 1 again
+            held[hf_name] = held[hf_name] - 1
         if permuted and base.endswith(("q_proj", "k_proj")):
             # Rows are independent, so permuting quantized rows = quantizing permuted rows.
             raw = llama_cpp_permute(raw, heads if base.endswith("q_proj") else kv_heads)
@@ -242,8 +262,11 @@ def _gguf_case(root: str, hf_dir: str, family: str):
     held = write_gguf(hf_dir, path, family, tokenizer=family == "llama")
     from transformers import AutoModelForCausalLM
 
+    # A GGUF file has no query_pre_attn_scalar: llama.cpp scales Gemma 3's attention by
+    # 1/sqrt(head_dim), as the reference must then.
+    extra = {"query_pre_attn_scalar": 32} if family == "gemma3" else {}
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
+                                              attn_implementation="eager", **extra).eval()
     missing, unexpected = hf.load_state_dict(held, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     return path, hf
@@ -280,7 +303,9 @@ def same_config(gguf_mc, hf_mc) -> None:
     for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "intermediate_size", "max_position_embeddings", "hidden_act",
                   "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings",
-                  "architecture", "max_context_len"):
+                  "architecture", "max_context_len", "sliding_window", "layer_windows",
+                  "local_rope", "sandwich_norms", "norm_plus_one", "embed_scale",
+                  "final_logit_softcapping"):
         assert getattr(gguf_mc, field) == getattr(hf_mc, field), field
     assert gguf_mc.rms_norm_eps == pytest.approx(hf_mc.rms_norm_eps, rel=1e-6)
     assert gguf_mc.rope["rope_type"] == hf_mc.rope["rope_type"]
@@ -489,6 +514,27 @@ def test_unknown_architecture_is_rejected(tmp_path, no_model_built):
     w.close()
     assert_rejected(str(path), "unsupported GGUF architecture 'gpt2'; ragkv supports: "
                     + ", ".join(SUPPORTED_GGUF_ARCHITECTURES))
+
+
+@pytest.mark.parametrize("swa,match", [
+    ((None, 3), "without gemma3.attention.sliding_window"),
+    ((16, [True, False]), r"unsupported gemma3.attention.sliding_window_pattern \[True, False\]"),
+    ((16, 0), "unsupported gemma3.attention.sliding_window_pattern 0"),
+])
+def test_gemma3_without_a_known_window_or_layer_pattern_is_rejected(swa, match, checkpoint,
+                                                                     tmp_path, no_model_built):
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(checkpoint("gemma3"), str(path), "gemma3", swa=swa)
+    assert_rejected(str(path), match)
+
+
+def test_gemma3_layer_pattern_as_a_period_and_by_default(checkpoint, tmp_path):
+    """llama.cpp's Gemma 3: every n-th layer full attention, n = 6 when the file says nothing
+    (Gemma 3's own pattern)."""
+    for pattern, want in ((3, (16, 16, None)), (None, (16, 16, 16))):
+        path = tmp_path / f"gemma3-{pattern}.gguf"
+        write_gguf(checkpoint("gemma3"), str(path), "gemma3", swa=(16, pattern))
+        assert inspect_checkpoint(str(path)).model_config.layer_windows == want
 
 
 def test_unsupported_tensor_type_is_rejected(checkpoint, tmp_path, no_model_built):
