@@ -171,3 +171,36 @@ def reference_greedy(hf_model, token_ids: list[int], positions: list[int], visib
         if hidden is not None:
             hidden = torch.cat([hidden, torch.zeros(1, dtype=torch.bool)])
     return out, first
+
+
+@torch.inference_mode()
+def generate_and_check(llm, hf, prompt, ids, positions, visible, max_tokens: int, tol: float,
+                       hidden=None, prompt_ids=None, first_tol: float | None = None):
+    """ragkv's greedy output, checked teacher-forced in one HF pass over the prompt and the
+    generated tokens (each generated token sees everything before it but `hidden` reference
+    tokens): every token must be HF's argmax after the tokens before it, which by induction
+    is HF's greedy sequence, and every returned log-probability within `tol` of HF's
+    (`first_tol` for the first token's, where given). `prompt_ids`: the engine's prompt
+    tokens where the reference's `ids` hold more (copies of S for sequential layouts)."""
+    from ragkv import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    got = out.outputs[0]
+    assert out.prompt_token_ids == (ids if prompt_ids is None else prompt_ids)
+    fed = got.token_ids[:-1]
+    positions, visible = extend_layout(positions, visible, len(fed), hidden)
+    logits = hf(input_ids=torch.tensor([ids + fed]),
+                attention_mask=attention_masks(hf.config, positions, visible),
+                position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
+    logp = logits.float().log_softmax(-1)
+    assert logp.argmax(-1).tolist() == got.token_ids
+    eos = set(llm.engine.eos_token_ids)
+    assert got.token_ids[-1] in eos or len(got.token_ids) == max_tokens
+    assert not eos & set(got.token_ids[:-1])
+    for step, top in enumerate(got.logprobs):
+        limit = first_tol if step == 0 and first_tol is not None else tol
+        for tid, lp in top.items():
+            assert abs(lp.logprob - logp[step, tid].item()) < limit, (step, tid, lp.logprob)
+    llm.check_integrity()
+    return out

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 from dependencies import missing
-from reference import causal_layout, extend_layout, layout_reference, rag_layout
+from reference import causal_layout, generate_and_check, layout_reference, rag_layout
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.model.loader import resolve_model_path
@@ -48,35 +48,6 @@ def hf():
         attn_implementation="eager").eval()
 
 
-@torch.inference_mode()
-def generate_and_check(llm, hf, prompt, ids, positions, visible, max_tokens: int,
-                       hidden=None, prompt_ids=None):
-    """ragkv's greedy output, checked teacher-forced in one HF pass over the prompt and the
-    generated tokens (each generated token sees everything before it but `hidden` reference
-    tokens): every token must be HF's argmax after the tokens before it, which by induction
-    is HF's greedy sequence. `prompt_ids`: the engine's prompt tokens where the reference's
-    `ids` hold more (copies of S for sequential layouts)."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=3)
-    out = llm.generate(prompt, params, use_tqdm=False)[0]
-    got = out.outputs[0]
-    assert out.prompt_token_ids == (ids if prompt_ids is None else prompt_ids)
-    fed = got.token_ids[:-1]
-    positions, visible = extend_layout(positions, visible, len(fed), hidden)
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
-    logits = hf(input_ids=torch.tensor([ids + fed]), attention_mask=mask[None, None],
-                position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
-    logp = logits.float().log_softmax(-1)
-    assert logp.argmax(-1).tolist() == got.token_ids
-    eos = set(llm.engine.eos_token_ids)
-    assert got.token_ids[-1] in eos or len(got.token_ids) == max_tokens
-    assert not eos & set(got.token_ids[:-1])
-    for step, top in enumerate(got.logprobs):
-        for tid, lp in top.items():
-            assert abs(lp.logprob - logp[step, tid].item()) < TOL, (step, tid, lp.logprob)
-    llm.check_integrity()
-    return out
-
-
 def test_config_from_gguf_metadata(llm, hf):
     mc = llm.engine.model_config
     assert (mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim,
@@ -94,7 +65,8 @@ def test_chat_prompt_answers_like_hf(llm, hf):
                          "<|im_start|>assistant\n")  # ChatML from the GGUF's template
     ids = tok(text)["input_ids"]
     positions, visible = causal_layout(len(ids))
-    out = generate_and_check(llm, hf, {"prompt_token_ids": ids}, ids, positions, visible, 16)
+    out = generate_and_check(llm, hf, {"prompt_token_ids": ids}, ids, positions, visible, 16,
+                             TOL)
     assert out.outputs[0].text.strip() == "The capital of France is Paris."
     assert out.outputs[0].finish_reason == "stop"
 
@@ -125,7 +97,7 @@ def test_rag_prompt_matches_one_pass_reference_cold_and_warm(llm, hf):
         ids = system + [t for c in chunks for t in c] + question
         positions, visible = rag_layout(len(system), [len(c) for c in chunks], len(question))
         out = generate_and_check(llm, hf, RAGPrompt(system, chunks, question), ids, positions,
-                                 visible, 12)
+                                 visible, 12, TOL)
         hits = llm.get_chunk_cache_stats().hits - before.hits
         assert hits == (0 if chunks is docs else 3)
         assert out.outputs[0].text  # what a 135M model makes of isolated documents varies
@@ -148,7 +120,7 @@ def test_layouts_match_one_pass_reference_cold_and_warm(llm, hf, layout):
         out = generate_and_check(
             llm, hf, RAGPrompt(system, chunks, question, position_strategy=strategy,
                                chunk_attention=attention),
-            ids, positions, visible, 12, hidden=hidden, prompt_ids=flat)
+            ids, positions, visible, 12, TOL, hidden=hidden, prompt_ids=flat)
         if chunks is not docs:  # the second time every document is cached
             assert llm.get_chunk_cache_stats().hits - before.hits == 3
         assert out.metrics.num_repositioned_tokens > 0

@@ -20,6 +20,7 @@ import random
 import statistics
 from dataclasses import replace
 
+from ..eval.evaluate import question_prompt
 from ..inputs.prompt import ChunkedPrompt
 from ..llm import LLM
 from ..model.real_models import real_model_available
@@ -40,9 +41,7 @@ def _requests(llm: LLM, num_requests: int) -> list[tuple[int, list[int], Chunked
         others = [d for d in range(len(DOCUMENTS)) if d not in q.documents]
         order = list(q.documents) + rng.sample(others, 2)
         rng.shuffle(order)
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": q.question}]
-        prompt = engine.process_chat(messages, documents=[DOCUMENTS[d] for d in order])
+        prompt = question_prompt(engine, SYSTEM, [DOCUMENTS[d] for d in order], q.question)
         requests.append((i % len(QUESTIONS), order, prompt))
     return requests
 

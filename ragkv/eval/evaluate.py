@@ -23,10 +23,26 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..inputs.prompt import ChunkedPrompt, RAGPrompt, parse_prompt
 from ..llm import LLM
 from ..sampling.params import SamplingParams
 from .modes import CALIBRATED, REFERENCE, calibrated_mode, get_mode
 from .suite import TASKS, EvalItem, is_correct
+
+
+def question_prompt(engine, system: str, documents: Sequence[str], question: str,
+                    cache_salt: str | None = None) -> ChunkedPrompt:
+    """A RAG question as a prompt: a chat model's own template (`process_chat`, the documents
+    after the system message); a base model (its tokenizer has no chat template) gets plain
+    text whose answer lead-in a completion model continues: the system line, each document
+    after a blank line, then "Question: ...\nAnswer:"."""
+    if getattr(engine.tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": question}]
+        return engine.process_chat(messages, documents=list(documents), cache_salt=cache_salt)
+    prompt = RAGPrompt(system=f"{system}\n\n", chunks=[f"{d}\n\n" for d in documents],
+                       question=f"Question: {question}\nAnswer:", cache_salt=cache_salt)
+    return parse_prompt(prompt, engine.tokenizer, engine.inputs.rules, engine.token_cache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +135,7 @@ def evaluate(llm: LLM, items: Sequence[EvalItem], mode_names: Sequence[str],
             batch = items[first:first + batch_size]
             golds, jobs = [], []
             for item in batch:
-                messages = [{"role": "system", "content": item.system},
-                            {"role": "user", "content": item.question}]
-                prompt = engine.process_chat(messages, documents=list(item.documents))
+                prompt = question_prompt(engine, item.system, item.documents, item.question)
                 gold = tokenizer.encode(item.answer, add_special_tokens=False)
                 golds.append((gold, sum(map(len, prompt.chunks))))
                 for mode in modes:
