@@ -168,3 +168,23 @@ def test_wilson_interval():
 def test_unknown_mode_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="unknown eval mode 'nope'"):
         evaluate(tiny, pick_items(build_suite(1), 1), ["nope"], progress=False)
+
+
+def test_a_base_model_is_prompted_with_plain_text_and_a_lead_in(tiny, monkeypatch):
+    """A tokenizer without a chat template (a base model, e.g. Gemma 3 270M) gets the system
+    line, the documents and "Question: ...\\nAnswer:" as text; a chat model its template."""
+    from ragkv.eval.evaluate import question_prompt
+
+    engine = tiny.engine
+    chat = question_prompt(engine, "Be brief.", ["Doc one.", "Doc two."], "Who?")
+    assert len(chat.chunks) == 2
+    assert not engine.tokenizer.decode(chat.question).endswith("Answer:")
+    monkeypatch.setattr(engine.tokenizer, "chat_template", None)
+    plain = question_prompt(engine, "Be brief.", ["Doc one.", "Doc two."], "Who?")
+    decode = engine.tokenizer.decode
+    assert decode(plain.system, skip_special_tokens=True) == "Be brief.\n\n"
+    assert [decode(c) for c in plain.chunks] == ["Doc one.\n\n", "Doc two.\n\n"]
+    assert decode(plain.question) == "Question: Who?\nAnswer:"
+    out = tiny.generate(plain, SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert out[0].metrics.num_chunk_misses == 2
+    tiny.check_integrity()

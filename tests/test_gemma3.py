@@ -152,3 +152,30 @@ def test_recompute_ends_match_their_references(llm, hf):
                                  hidden=hidden, prompt_ids=flat, first_tol=FIRST_TOL)
         assert out.metrics.num_chunk_hits == 2
         assert out.metrics.num_recomputed_tokens == (len(docs[0]) if ratio else 0)
+
+
+def test_the_shipped_profile_is_the_default_and_warm_equals_cold(tmp_path, monkeypatch):
+    """The package ships Gemma 3 270M's calibration profile: an engine built with no layout
+    or recompute settings uses it, and its warm answer over cached documents equals its cold
+    one token for token."""
+    from ragkv.recompute.profile import SHIPPED, profile_name, read_profile
+
+    monkeypatch.setenv("RAGKV_PROFILE_DIR", str(tmp_path))
+    default = LLM(model=MODEL, dtype="float32", device="cpu", max_model_len=4096)
+    fingerprint = default.engine.checkpoint.fingerprint
+    shipped = SHIPPED / profile_name(fingerprint)
+    profile = read_profile(shipped, fingerprint)
+    assert profile.data["model"] == MODEL and profile.data["calibration"]["questions"] >= 60
+    assert default.engine.recompute_profile.path == str(shipped)
+    assert default.engine.config.position_strategy == "sequential"
+    system = default.engine.tokenizer("Answer from the documents.\n")["input_ids"]
+    docs = [document(default, "The Zorbian council meets in the copper hall of Veltra.", 6),
+            document(default, "Veltra's copper hall was built by Amsel Roch in 1821.", 7)]
+    question = encode(default, "Question: who built the hall where the council meets? Answer:")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outs = [default.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
+            for chunks in (docs, [docs[1], docs[0]], docs)]
+    assert outs[0].metrics.num_chunk_misses == 2 and outs[2].metrics.num_chunk_hits == 2
+    assert outs[2].metrics.num_recomputed_tokens > 0
+    assert outs[2].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    default.check_integrity()

@@ -26,7 +26,7 @@ def _layer_list(text: str) -> tuple[int, ...]:
 
 
 _MODEL_HELP = ("local HF directory, GGUF file, a Hugging Face id in the local HF cache "
-               "(Org/Name), smollm2-135m-instruct, or builtin:tiny / builtin:small")
+               "(Org/Name), smollm2-135m-instruct, gemma3-270m, or builtin:tiny / builtin:small")
 
 
 def add_model_arg(parser: argparse.ArgumentParser, default: str | None,
