@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--long-doc-tokens", type=int, default=4096,
                         help="the re-positioned document (0: skip that part)")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers run")
+    parser.add_argument("--quantization", default=None, choices=["gguf", "none"],
+                        help="a GGUF file's weights packed or dequantized (default: the "
+                        "engine's)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
     args = parser.parse_args()
 
@@ -56,7 +59,8 @@ def main() -> None:
 
     # Shared positions, no recompute: "warm" computes the question only (exact chunk reuse).
     llm = LLM(args.model, max_num_batched_tokens=max(4096, args.long_doc_tokens + 64),
-              max_chunk_tokens=max(4096, args.long_doc_tokens), position_strategy="shared")
+              max_chunk_tokens=max(4096, args.long_doc_tokens), position_strategy="shared",
+              quantization=args.quantization)
     mc = llm.engine.model_config
     rng = random.Random(0)
 

@@ -827,11 +827,10 @@ def test_shared_tier_serves_a_later_engine(shared_tier, llama):
     second.check_integrity()
 
 
-def test_a_slow_store_read_never_blocks_the_other_requests(llama, tmp_path, monkeypatch):
-    """A shared tier's read runs off the engine thread: while it hangs, the request waiting
-    for the chunk holds its place and every other request is planned, computed and finished;
-    when the read lands, the waiting request gets the stored chunk (a store hit, no compute)
-    and the same tokens as the reference."""
+def held_read(llama, tmp_path, monkeypatch):
+    """An engine on a disk tier where an earlier engine stored DOCS[0] (after S), whose read
+    of that chunk hangs until `release` is set (`reading` is set when it starts; every other
+    read goes through): (engine, reading, release)."""
     path, hf = llama
     spec = f"disk:{tmp_path / 'chunks'}:1MiB"
     first = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
@@ -845,12 +844,22 @@ def test_a_slow_store_read_never_blocks_the_other_requests(llama, tmp_path, monk
     stored = llm.engine.chunk_keys(rag(S, [DOCS[0]], Q2))[0]
 
     def slow_get(self, key, expect):
-        if key == stored:  # the other chunk's read (a miss) goes through
+        if key == stored:
             reading.set()
             assert release.wait(60), "the read was never released"
         return original(self, key, expect)
 
     monkeypatch.setattr(type(disk), "get", slow_get)
+    return llm, reading, release
+
+
+def test_a_slow_store_read_never_blocks_the_other_requests(llama, tmp_path, monkeypatch):
+    """A shared tier's read runs off the engine thread: while it hangs, the request waiting
+    for the chunk holds its place and every other request is planned, computed and finished;
+    when the read lands, the waiting request gets the stored chunk (a store hit, no compute)
+    and the same tokens as the reference."""
+    _, hf = llama
+    llm, reading, release = held_read(llama, tmp_path, monkeypatch)
     engine = llm.engine
     engine.add_request(rag(S, [DOCS[0]], Q2), GREEDY, request_id="stored")
     other = [rag(S, [DOCS[1]], Q1), plain(random_prompt(9, seed=730))]
@@ -881,25 +890,9 @@ def test_a_missing_chunk_is_read_once_however_long_its_neighbour_takes(llama, tm
     stored) lands at once: that answer waits for the request as many steps as the slow read
     takes, so the missing chunk is asked for once and counted as one miss (seen on a loaded
     CI machine as a second miss when the answer aged out after a few steps)."""
-    path, hf = llama
-    spec = f"disk:{tmp_path / 'chunks'}:1MiB"
-    first = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
-    run(first, hf, [rag(S, [DOCS[0]], Q1)], ["M"])
-    first.engine.close()
-
-    llm = make_llm(path, kv_cache_tokens=1024, chunk_store=spec)
-    disk = llm.engine.chunk_store.tiers[0]
-    release = threading.Event()
-    original = type(disk).get
+    _, hf = llama
+    llm, _, release = held_read(llama, tmp_path, monkeypatch)
     prompt = rag(S, [DOCS[0], DOCS[1]], Q2)
-    stored = llm.engine.chunk_keys(prompt)[0]
-
-    def slow_get(self, key, expect):
-        if key == stored:
-            assert release.wait(60), "the read was never released"
-        return original(self, key, expect)
-
-    monkeypatch.setattr(type(disk), "get", slow_get)
     engine = llm.engine
     engine.add_request(prompt, GREEDY, request_id="waiting")
     longer = dataclasses.replace(GREEDY, max_tokens=16)

@@ -9,7 +9,6 @@ Greedy tokens identical in float32, first-token log-probabilities within 1e-4.""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from dependencies import missing
 from reference import causal_layout, generate_and_check, layout_reference
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.model.loader import resolve_model_path
+from ragkv.model.loader import load_hf_model
 from ragkv.model.real_models import real_model_available
 
 MODEL = "gemma3-270m"
@@ -43,12 +42,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(MODEL)
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32,
-        attn_implementation="eager").eval()
+    return load_hf_model(MODEL, attn_implementation="eager")
 
 
 def encode(llm, text: str) -> list[int]:

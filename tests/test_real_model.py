@@ -15,7 +15,7 @@ from dependencies import missing
 from reference import causal_layout, generate_and_check, layout_reference, rag_layout
 
 from ragkv import LLM, RAGPrompt, SamplingParams
-from ragkv.model.loader import resolve_model_path
+from ragkv.model.loader import load_hf_model, resolve_model_path
 from ragkv.model.real_models import real_model_available
 
 MODEL = "smollm2-135m-instruct"
@@ -40,12 +40,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(MODEL)
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32,
-        attn_implementation="eager").eval()
+    return load_hf_model(MODEL, attn_implementation="eager")
 
 
 def test_config_from_gguf_metadata(llm, hf):
