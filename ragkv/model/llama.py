@@ -148,6 +148,11 @@ class CausalLM(nn.Module):
     def num_kinds(self) -> int:
         return len(self.windows)
 
+    @property
+    def has_windows(self) -> bool:
+        """Whether some layers have a sliding window."""
+        return any(w is not None for w in self.windows)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The embedded tokens [len(ids), hidden]: the residual stream's start."""
         if self.packed_embedding is not None:

@@ -88,6 +88,18 @@ class TurnTable:
         sin[:n].copy_(self.sin)
 
 
+def turned_positions(positions: torch.Tensor, turns: tuple[Turn, ...],
+                     table: TurnTable | None) -> torch.Tensor:
+    """[k] int64: the positions a KV list's entries' keys are rotated for (`positions`, as
+    stored), each turned forward by its range's delta (`turns`: (start, end, row) of
+    `table`): where a sequence sees each entry."""
+    positions = positions.long()
+    if not turns:
+        return positions
+    rows = entry_turns(list(turns), positions.shape[0], positions.device).long()
+    return positions + table.deltas(positions.device)[rows]  # row -1: the appended 0
+
+
 def entry_turns(turns: list[Turn], num_entries: int, device: torch.device) -> torch.Tensor:
     """[num_entries] int32: each entry's row of the turn table, -1 outside every turn
     ((start, end, row), disjoint, over the concatenated KV lists). Three launches whatever

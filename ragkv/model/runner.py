@@ -82,8 +82,8 @@ class ModelRunner:
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
         # Sliding windows (model/backends/base.py) apply on the torch backend.
-        self.windows = any(w is not None for w in model.windows)
-        self.backend = get_attention_backend(config.attention_backend, device, self.windows)
+        self.backend = get_attention_backend(config.attention_backend, device,
+                                             model.has_windows)
         model.use_fused_ops(self.backend.fused_ops)
         self.graphs = None  # DecodeGraphs once captured
         self.extend_graphs = None  # ExtendGraphs once captured
@@ -190,7 +190,7 @@ class ModelRunner:
         extra = key_positions or []
         dev_ids = int64_tensor(input_ids + positions + extra + logits_rows).to(self.device)
         keys = dev_ids[2 * n:3 * n] if extra else None
-        if self.windows:  # the keys' positions, for the windows of this and later steps
+        if self.model.has_windows:  # the keys' positions, for the windows of this and later steps
             self.pool.pos[batch.write_slots] = (dev_ids[n:2 * n] if keys is None
                                                 else keys).to(torch.int32)
         shared: dict[tuple, AttentionMetadata] = {}
@@ -212,7 +212,8 @@ class ModelRunner:
         key = (kind if turns else None, window if any(windowed) else None)
         if key in shared:
             return shared[key]
-        batch = dataclasses.replace(batch)
+        if key != (None, None):  # this kind's own copy (the step's batch stays as it is)
+            batch = dataclasses.replace(batch)
         if turns:
             batch.turn_table = TurnTable.build(self.model.rotaries[kind],
                                                (d for w in works for _, _, d in w.turns))

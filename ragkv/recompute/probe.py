@@ -42,7 +42,7 @@ from ..model.backends.base import (
 from ..model.backends.torch_sdpa import turned_keys_attention, turned_probs
 from ..model.layers import apply_rotary
 from ..model.llama import Attention, CausalLM
-from ..model.reposition import Turn, TurnTable, entry_turns
+from ..model.reposition import Turn, TurnTable, turned_positions
 
 # Bound on the attention weights one block of probe queries materializes (float32 elements).
 _BLOCK_ELEMENTS = 1 << 25
@@ -92,12 +92,8 @@ class ProbeWork:
         rotations = [t.per_entry(rows, len(self.kv_slots)) for t in tables]
         # Where the model has sliding windows: each list entry's position as the request
         # sees it (its slot's key position, turned).
-        entry_pos = None
-        if any(w is not None for w in model.windows):
-            entry_pos = pool.pos[index].long()
-            if rows:
-                turn_rows = entry_turns(list(rows), len(self.kv_slots), device).long()
-                entry_pos += tables[0].deltas(device)[turn_rows]
+        entry_pos = (turned_positions(pool.pos[index], rows, tables[0]) if model.has_windows
+                     else None)
         first, last = self.chunks
         scores = torch.zeros(last - first, dtype=torch.float64, device=device)
         if self.kind != "blend":
@@ -128,20 +124,20 @@ class ProbeWork:
         slots, keys turned like any reuse; one metadata per attention kind."""
         device = index.device
         own = torch.tensor(self.own_slots, dtype=torch.long, device=device)
+        entries = torch.cat([index, own]).to(torch.int32)
         positions = torch.tensor(self.positions, device=device)
+        if model.has_windows:  # the keys the step writes, at their positions
+            pool.pos[own] = torch.tensor(self.key_positions, dtype=torch.int32, device=device)
         metas = []
         for table, window in zip(tables, model.windows, strict=True):
             batch = AttentionBatch(
                 q_lens=[len(self.own_slots)],
                 kv_lens=[len(self.kv_slots) + len(self.own_slots)], q_starts=[0],
-                kv_indices=[torch.cat([index, own]).to(torch.int32)], write_slots=own,
-                num_heads=model.config.num_heads, num_kv_heads=pool.k.shape[2], rows=[0],
-                prefix=[False])
+                kv_indices=[entries], write_slots=own, num_heads=model.config.num_heads,
+                num_kv_heads=pool.k.shape[2], rows=[0], prefix=[False])
             if rows:
                 batch.turns, batch.turn_table = [rows], table
             if window is not None and max(self.positions) >= window:
-                pool.pos[own] = torch.tensor(self.key_positions, dtype=torch.int32,
-                                             device=device)
                 batch.window, batch.windowed = window, [True]
                 batch.query_positions, batch.slot_positions = positions, pool.pos
             metas.append(AttentionMetadata(write_slots=own, state=backend.prepare(batch)))

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from ...cache.kv_pool import KVPool
-from ..reposition import Turn, TurnTable, entry_turns
+from ..reposition import Turn, TurnTable, turned_positions
 
 # The fused model ops a backend may offer (`AttentionBackend.fused_ops`): the residual add and
 # RMSNorm, silu(gate) * up, and RoPE on q and k with the K/V store (then `attend`).
@@ -94,7 +94,6 @@ class AttentionBatch:
             return torch.arange(first, k, device=device)[None, :] <= index[:, None]
         return causal_mask(q, q, device) if q > 1 else None
 
-
     def windows(self, i: int) -> bool:
         """Whether sequence i's attention is cut by the sliding window (`window_mask`)."""
         return self.window is not None and self.windowed[i]
@@ -102,11 +101,8 @@ class AttentionBatch:
     def key_positions(self, i: int) -> torch.Tensor:
         """[k] the position of each entry of sequence i's list as the sequence sees it: its
         slot's key position, turned forward by its range's delta."""
-        kp = self.slot_positions[self.kv_indices[i].long()]
-        if self.turned(i):
-            rows = entry_turns(list(self.turns[i]), self.kv_lens[i], kp.device).long()
-            kp = kp + self.turn_table.deltas(kp.device)[rows]  # row -1: the appended 0
-        return kp
+        return turned_positions(self.slot_positions[self.kv_indices[i].long()],
+                                self.turns[i] if self.turned(i) else (), self.turn_table)
 
     def window_mask(self, i: int, device: torch.device) -> torch.Tensor:
         """[q, k] bool over sequence i's whole list: the contract's mask (`mask`) and the

@@ -249,12 +249,11 @@ _WINDOW_BLOCK = 256
 def decode_window_mask(batch: AttentionBatch, decode: list[int], max_k: int,
                        device: torch.device) -> torch.Tensor:
     """[B, 1, 1, max_k] bool for the decode rows `decode`: the entries each sees through the
-    sliding window (False on the padding)."""
+    sliding window (True on the padding, which the length mask hides)."""
     rows = []
     for i in decode:
         k = batch.kv_lens[i]
         near = torch.ones(max_k, dtype=torch.bool, device=device)
-        near[k:] = False
         if batch.windows(i):
             qpos = batch.query_positions[batch.q_starts[i]]
             near[:k] = qpos - batch.key_positions(i) < batch.window
@@ -301,7 +300,9 @@ class TorchAttentionBackend:
                 mask = torch.arange(max_k, device=device)[None, :] < lengths[:, None]
                 state.decode_mask = mask[:, None, None, :]
             if any(batch.windows(i) for i in decode):
-                state.decode_mask = decode_window_mask(batch, decode, max_k, device)
+                near = decode_window_mask(batch, decode, max_k, device)
+                state.decode_mask = (near if state.decode_mask is None
+                                     else state.decode_mask & near)
             state.decode_rows = torch.tensor([batch.q_starts[i] for i in decode], device=device)
             state.all_decode = len(decode) == batch.num_seqs
             if any(batch.turned(i) for i in decode):
