@@ -12,6 +12,9 @@
 #                                             # modes' rows, then the GPU and recompute tests
 #   bash benchmarks/gpu_session.sh quant      # one device call, carry [".whl"]: the int8-group
 #                                             # kernels' tests, then bench_gpu_quant.py (~4 min)
+#   bash benchmarks/gpu_session.sh windows    # one device call, carry [".whl"]: sliding windows
+#                                             # in the kernels and graphs (tests, compiled), then
+#                                             # bench_window.py at 8k and 32k tokens (~3 min)
 #   bash benchmarks/gpu_session.sh smoke      # here: the same bench commands, tiny, on CPU
 #
 # The device image has PyTorch, Triton, transformers, hypothesis, httpx, xxhash, numpy and
@@ -82,7 +85,18 @@ quant)
     python3 benchmarks/bench_gpu_quant.py --parts engine,kernels,dot --json "$OUT/q8.json" 2>&1 \
         | tee "$OUT/bench_q8.log"
     ;;
+windows)
+    on_device
+    timeout 300 python3 -m pytest -q -n 8 -rfE tests/test_triton_kernels.py \
+        tests/test_positions.py tests/test_rag.py -k "triton or graphs or sliding or warmup" \
+        2>&1 | tee "$OUT/window_tests.log"
+    python3 benchmarks/bench_window.py --json "$OUT/window8k.json" 2>&1 \
+        | tee "$OUT/bench_window.log"
+    python3 benchmarks/bench_window.py --tokens 32768 --batch 8 --json "$OUT/window32k.json" \
+        2>&1 | tee -a "$OUT/bench_window.log"
+    ;;
 smoke)
+    python3 benchmarks/bench_window.py --smoke || exit 1
     tiny=(--layers 2 --hidden 256 --heads 4 --kv-heads 2 --intermediate 512 --vocab 4096
           --device cpu --dtype float32 --quick)
     python3 benchmarks/bench_gpu.py "${tiny[@]}" --skip-rag-bench --json /tmp/gpu_smoke.json &&

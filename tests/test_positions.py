@@ -45,6 +45,14 @@ def llama(checkpoint, hf_model):
     return path, hf_model(path)
 
 
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def triton_model(request, checkpoint, hf_model):
+    """The models of the Triton tests: Llama, and Gemma 3 (two attention kinds, sliding
+    windows shorter than the prompts)."""
+    path = checkpoint(request.param)
+    return path, hf_model(path)
+
+
 # ------------------------------------------------------------------------- the reference
 
 
@@ -219,11 +227,11 @@ def test_uncached_chunks_are_re_positioned_too(llama):
 
 
 @pytest.mark.parametrize("layout", [SEQ_ISO, SEQ_ALONE], ids=LAYOUT_IDS[::2])
-def test_layouts_on_the_triton_backend(layout, llama):
-    """The Triton backend takes sequences with re-positioned keys through the torch path and
-    everything else through its kernels (interpreted without a GPU); CUDA graphs skip them."""
+def test_layouts_on_the_triton_backend(layout, triton_model):
+    """Re-positioned keys through the Triton kernels (interpreted without a GPU), sliding
+    windows too; plain and RAG sequences in one batch."""
     pytest.importorskip("triton")
-    path, hf = llama
+    path, hf = triton_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
                    dtype="float32", attention_backend="triton")
@@ -234,9 +242,9 @@ def test_layouts_on_the_triton_backend(layout, llama):
     run(llm, hf, [rag(S, [B, A], random_prompt(4, seed=95), layout=layout)], ["HH"])
 
 
-def _triton_llm(llama, **kwargs):
+def _triton_llm(triton_model, **kwargs):
     """The Triton engine (float32; CUDA graphs on a GPU, the interpreter without) and HF."""
-    path, hf = llama
+    path, hf = triton_model
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, device=device,
                     dtype="float32", attention_backend="triton", max_num_seqs=4,
@@ -269,7 +277,7 @@ def _stand_in_graphs(graphs, rows) -> None:
 
 
 @pytest.mark.parametrize("layout", [SEQ_ISO, SEQ_ALONE], ids=LAYOUT_IDS[::2])
-def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
+def test_decode_graphs_take_re_positioned_ranges(layout, triton_model, monkeypatch):
     """Decode steps of re-positioned requests run through the CUDA-graph path: ranges and the
     cos/sin of their deltas go into the graph's persistent buffers, a batch padded to the
     next graph size, plain and re-positioned rows mixed, buffers left over from an earlier
@@ -279,7 +287,7 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
     pytest.importorskip("triton")
     from ragkv.model.backends.cuda_graph import DecodeGraphs
 
-    llm, hf = _triton_llm(llama)
+    llm, hf = _triton_llm(triton_model)
     engine = llm.engine
     graphs = engine.runner.graphs
     if graphs is None:
@@ -307,12 +315,12 @@ def test_decode_graphs_take_re_positioned_ranges(layout, llama, monkeypatch):
         assert sum(n for (_, variant), n in replays.items() if variant == "plain") > 0
 
 
-def _extend_graphed_llm(llama, max_tokens: int):
+def _extend_graphed_llm(triton_model, max_tokens: int):
     """The Triton engine with its extend graphs up to `max_tokens` (stand-ins without a GPU),
     HF, and the graphs."""
     from ragkv.model.backends.cuda_graph import ExtendGraphs
 
-    llm, hf = _triton_llm(llama, max_num_batched_tokens=max_tokens)
+    llm, hf = _triton_llm(triton_model, max_num_batched_tokens=max_tokens)
     engine = llm.engine
     graphs = engine.runner.extend_graphs
     if graphs is None:
@@ -323,7 +331,7 @@ def _extend_graphed_llm(llama, max_tokens: int):
     return llm, hf, graphs
 
 
-def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
+def test_extend_graphs_serve_short_single_sequence_steps(triton_model, monkeypatch):
     """Steps of one sequence with a few new tokens (a warm question over cached chunks, a short
     prompt, the last piece of a chunked prefill) run through the extend graphs: the list
     copied into the persistent index buffer, the tokens padded to the next graph size by a
@@ -332,7 +340,7 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
     without one, stand-ins that run the same forward on the same buffers (Triton
     interpreted)."""
     pytest.importorskip("triton")
-    llm, hf, graphs = _extend_graphed_llm(llama, 32)
+    llm, hf, graphs = _extend_graphed_llm(triton_model, 32)
     assert graphs.sizes == [8, 16, 32]
     runs = []
     original = graphs.run
@@ -360,7 +368,7 @@ def test_extend_graphs_serve_short_single_sequence_steps(llama, monkeypatch):
         assert sum(replays) == graphed
 
 
-def test_extend_graphs_serve_recompute_steps(llama, monkeypatch):
+def test_extend_graphs_serve_recompute_steps(triton_model, monkeypatch):
     """A recomputed request's last step (its chosen chunk tokens at their entries of the list,
     then its question) runs as one sequence through the "indexed" extend graph: at r = 1 the
     full prefill of the flat prompt (HF), between the ends the same tokens and first-token
@@ -369,7 +377,7 @@ def test_extend_graphs_serve_recompute_steps(llama, monkeypatch):
     pytest.importorskip("triton")
     from test_recompute import check, rc
 
-    llm, hf, graphs = _extend_graphed_llm(llama, 64)
+    llm, hf, graphs = _extend_graphed_llm(triton_model, 64)
     engine = llm.engine
     runs = []
     original = graphs.run
@@ -390,7 +398,8 @@ def test_extend_graphs_serve_recompute_steps(llama, monkeypatch):
     got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
     llm.check_integrity()
     assert len([r for r in runs if len(r) == 2]) == 4
-    ref = make_llm(llama[0], kv_cache_tokens=2048, chunk_cache_tokens=512, dtype="float32",
+    ref = make_llm(triton_model[0], kv_cache_tokens=2048, chunk_cache_tokens=512,
+                   dtype="float32",
                    attention_backend="torch", device=engine.pool.kv.device.type)
     for prompt, g in zip(prompts, got, strict=True):
         want = ref.generate([prompt], GREEDY, use_tqdm=False)[0]

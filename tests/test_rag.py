@@ -152,7 +152,7 @@ def test_rag_scenarios_match_reference(family, checkpoint, hf_model):
     rag_scenarios(make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512), hf_model(path))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral_window"])
 def test_rag_scenarios_on_the_triton_backend(family, checkpoint, hf_model):
     """The Triton kernels end to end: on a GPU compiled, in float32 against the float32 CPU
     reference, with decode through CUDA graphs; without one, through Triton's interpreter."""

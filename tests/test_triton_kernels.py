@@ -108,10 +108,12 @@ def _force_packing(monkeypatch, pack: bool | None) -> None:
 
 
 def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype: torch.dtype,
-                      device: str, seed: int, **extra) -> AttentionMetadata:
+                      device: str, seed: int, slot_positions: torch.Tensor | None = None,
+                      **extra) -> AttentionMetadata:
     """The torch and the Triton backend on the same random pool and q/k/v (`total` tokens,
     `shape` = heads, kv heads, head dim): both write the step's K/V to the same slots, and
-    their outputs agree (1e-5 relative in float32, 1e-2 in bfloat16). Returns the Triton
+    their outputs agree (1e-5 relative in float32, 1e-2 in bfloat16). `slot_positions`:
+    the pool's key positions (a sliding window's `extra` reads them). Returns the Triton
     run's metadata."""
     heads, kv_heads, head_dim = shape
     outs = []
@@ -121,6 +123,9 @@ def _compare_backends(spec: dict, total: int, shape: tuple[int, int, int], dtype
         pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape, generator=gen).to(pool.kv)
         q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(device, dtype)
                    for h in (heads, kv_heads, kv_heads))
+        if slot_positions is not None:
+            pool.pos.copy_(slot_positions)
+            extra["slot_positions"] = pool.pos
         batch = AttentionBatch(**spec, num_heads=heads, num_kv_heads=kv_heads, **extra)
         meta = AttentionMetadata(batch.write_slots, backend.prepare(batch))
         outs.append(backend.forward(q, k, v, 0, pool, meta, head_dim ** -0.5).float())
@@ -214,6 +219,62 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
         assert state.extend.entry_turns is not None
     if any(spec["query_index"][i] is not None for i in extend):
         assert state.extend.q_limit is not None
+
+
+def _windowed(spec: dict, turns: list, table: TurnTable, rng: random.Random, window: int,
+              ordered: bool, device: str) -> tuple[dict, torch.Tensor]:
+    """A sliding window over a `_batch` spec: each slot's key position (its entry's place in
+    the first list holding it when `ordered`, else random, so a window hides scattered
+    entries and whole blocks) and each query's position (its own entry's, turned, plus less
+    than `window`: it always sees itself)."""
+    pos = torch.tensor([rng.randrange(400) for _ in range(2048)], dtype=torch.int32)
+    if ordered:
+        done: set[int] = set()
+        for slots in spec["kv_indices"]:
+            for j, s in enumerate(slots.tolist()):
+                if s not in done:
+                    pos[s] = j
+                    done.add(s)
+    deltas = {row: d for d, row in table.rows.items()}
+    query = []
+    for i, slots in enumerate(spec["kv_indices"]):
+        k, q = spec["kv_lens"][i], spec["q_lens"][i]
+        index = spec.get("query_index", [None] * len(spec["q_lens"]))[i]
+        entries = list(range(k - q, k)) if index is None else index.tolist()
+        for e in entries:
+            turned = int(pos[slots[e]]) + sum(deltas[row] for a, b, row in turns[i]
+                                             if a <= e < b)
+            query.append(turned + (0 if ordered else rng.randrange(window)))
+    return dict(window=window, windowed=[True] * len(spec["q_lens"]),
+                query_positions=torch.tensor(query, device=device)), pos.to(device)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("splits,pack", [(None, None), (3, False), (3, True)])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernels_apply_sliding_windows(case: int, device: str, splits, pack, ordered: bool,
+                                       monkeypatch):
+    """A sliding window (key position = slot position + turn delta) in both kernels against
+    the torch backend: decode and extend rows, re-positioned keys, query entries, KV splits
+    and packed heads; positions in list order (a window over a prompt) and scattered (blocks
+    out of every row's window are skipped, rows that see nothing in a KV slice)."""
+    heads, kv_heads, head_dim, kinds = CASES[case]
+    if splits is not None:
+        monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    _force_packing(monkeypatch, pack)
+    rng = random.Random(200 + case)
+    spec, _ = _batch(rng, 2048, 512, kinds, device)
+    spec, total = _indexed(spec, rng, device)
+    turns = _repositioned(spec, rng)
+    table = _turn_table([7, -3, 250, 1000], head_dim, device)
+    window, positions = _windowed(spec, turns, table, rng, 24, ordered, device)
+    meta = _compare_backends(spec, total, (heads, kv_heads, head_dim), torch.float32, device,
+                             seed=case, slot_positions=positions, turns=turns,
+                             turn_table=table, **window)
+    state = meta.state
+    for launch in (state.decode, state.extend):
+        assert launch is None or launch.window is not None
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -358,16 +419,16 @@ def _compiled_variants() -> int | None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_warmup_compiles_every_variant_and_touches_no_slot(device: str):
     """The start-up warm-up runs every kernel variant (splits, re-positioned keys, query
-    entries, merge tiles) reading only the padding slot; on a GPU, a varied workload after it
-    compiles nothing new."""
+    entries, sliding windows, merge tiles) reading only the padding slot; on a GPU, a varied
+    workload after it compiles nothing new."""
     heads, kv_heads, head_dim = 4, 2, 32
     pool = KVPool(2, 2048, kv_heads, head_dim, torch.float32, torch.device(device))
     pool.kv[:, :, 1:] = torch.randn(pool.kv[:, :, 1:].shape).to(pool.kv)
     before = pool.kv.clone()
     table = torch.zeros(3, 64, dtype=torch.int32, device=device)
     backend = TritonAttentionBackend()
-    backend.warmup(pool, heads, table, 0)
-    assert torch.equal(pool.kv, before)
+    backend.warmup(pool, heads, table, 0, windows=True)
+    assert torch.equal(pool.kv, before) and not pool.pos.any()
     compiled = _compiled_variants()
     # CASES[0] has the warm-up's head shape (another shape is another kernel).
     assert CASES[0][:3] == (heads, kv_heads, head_dim)
@@ -375,5 +436,6 @@ def test_warmup_compiles_every_variant_and_touches_no_slot(device: str):
         with pytest.MonkeyPatch.context() as patch:
             test_kernels_turn_re_positioned_keys_and_take_query_entries(
                 0, device, torch.float32, splits, pack, patch)
+            test_kernels_apply_sliding_windows(0, device, splits, pack, False, patch)
     if compiled is not None:
         assert _compiled_variants() == compiled

@@ -81,9 +81,7 @@ class ModelRunner:
         self.num_kv_heads = pool.k.shape[2]
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
-        # Sliding windows (model/backends/base.py) apply on the torch backend.
-        self.backend = get_attention_backend(config.attention_backend, device,
-                                             model.has_windows)
+        self.backend = get_attention_backend(config.attention_backend, device)
         model.use_fused_ops(self.backend.fused_ops)
         self.graphs = None  # DecodeGraphs once captured
         self.extend_graphs = None  # ExtendGraphs once captured
@@ -251,7 +249,8 @@ class ModelRunner:
             last = torch.tensor([q_len - 1], device=self.device)
             self.model(ids, positions, last, self.pool, meta, self.backend)
         # Every kernel variant, not only the two steps' ones.
-        self.backend.warmup(self.pool, self.num_heads, self.slot_table.table, PAD_ROW)
+        self.backend.warmup(self.pool, self.num_heads, self.slot_table.table, PAD_ROW,
+                            self.model.has_windows)
         # The sampler's noise kernel.
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         uniform_noise(zero, zero, self.model.config.vocab_size)

@@ -147,9 +147,11 @@ class AttentionBackend(Protocol):
         """`forward` for a step whose new K/V are already in the pool (the fused
         `rope_store` wrote them)."""
 
-    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int) -> None:
+    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int,
+               windows: bool = False) -> None:
         """Compile or choose every kernel variant a server will meet, before the first
-        request; reads only the padding slot and row."""
+        request (`windows`: the model has sliding-window layers); reads only the padding
+        slot and row."""
 
 
 def causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:

@@ -33,6 +33,13 @@ list (`query_index`: each writes its K/V there and sees the entries up to it), w
 their own RoPE positions (the chunk's base positions for recomputed tokens) and re-positioned
 keys turned. Its entries, their last visible entries and the keys' positions are three more
 persistent buffers.
+
+A model whose layers come in several attention kinds (Gemma 3: sliding-window layers with
+one RoPE base, full ones with another) runs each kind's layers with its own launch inputs in
+the same graph: turn tables of its rotary (one set of persistent cos/sin buffers per kind, the
+rows and their deltas shared) and its window. A windowed kind's kernels read the step's
+positions buffer and `KVPool.pos`, which the graph itself writes for the new keys first, so a
+window costs no variant and no host work.
 """
 
 from __future__ import annotations
@@ -60,7 +67,13 @@ from .triton_attention import (
     TritonState,
     padded_ranges,
 )
-from .triton_kernels import DecodeTurns, decode_scratch, decode_splits, extend_splits
+from .triton_kernels import (
+    DecodeTurns,
+    SlidingWindow,
+    decode_scratch,
+    decode_splits,
+    extend_splits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +110,10 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 class _StepGraphs:
     """What the decode and the extend graphs share: the model and caches their steps run on,
-    the turn tables of re-positioned keys (cos, sin turning a key forward by each distinct
-    delta of the step, at most MAX_TURNS), and the capture of a graph per size of their
-    ladder and variant of the step (`variants`: plain, turning re-positioned keys, ...)."""
+    the turn tables of re-positioned keys (per attention kind, cos, sin turning a key forward
+    by each distinct delta of the step, at most MAX_TURNS; the deltas themselves for sliding
+    windows), each kind's window, and the capture of a graph per size of their ladder and
+    variant of the step (`variants`: plain, turning re-positioned keys, ...)."""
 
     what: str  # the ladder's unit, for the capture log
     variants: tuple[str, ...] = ("plain", "turning")
@@ -117,8 +131,12 @@ class _StepGraphs:
         self.max_positions = model.config.max_position_embeddings
         head_dim = model.config.head_dim
         device = pool.kv.device
-        self.turn_cos = torch.ones(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
-        self.turn_sin = torch.zeros(MAX_TURNS, head_dim, dtype=torch.float32, device=device)
+        kinds = model.num_kinds
+        self.turn_cos = torch.ones(kinds, MAX_TURNS, head_dim, dtype=torch.float32,
+                                   device=device)
+        self.turn_sin = torch.zeros(kinds, MAX_TURNS, head_dim, dtype=torch.float32,
+                                    device=device)
+        self.turn_deltas = torch.zeros(MAX_TURNS, dtype=torch.long, device=device)
         # (size, variant) -> (graph, its logits)
         self.graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
@@ -126,6 +144,29 @@ class _StepGraphs:
     def graph_forward(self, size: int, variant: str):
         """The step that the graph (size, variant) captures, as a call without arguments."""
         raise NotImplementedError
+
+    def fill_turn_tables(self, deltas: list[int]) -> TurnTable:
+        """The cos/sin rows of the step's distinct `deltas` into each kind's buffers, the
+        deltas into theirs; returns the table (its rows are every kind's)."""
+        for kind, rotary in enumerate(self.model.rotaries):
+            table = TurnTable.build(rotary, deltas)
+            table.fill(self.turn_cos[kind], self.turn_sin[kind])
+        if self.model.has_windows:
+            self.turn_deltas[:len(table)].copy_(table.deltas(self.turn_deltas.device)[:-1])
+        return table
+
+    def window(self, kind: int, positions: torch.Tensor) -> SlidingWindow | None:
+        """Kind `kind`'s sliding window over a step whose query rows sit at `positions`."""
+        size = self.model.windows[kind]
+        if size is None:
+            return None
+        return SlidingWindow(size, positions, self.pool.pos, self.turn_deltas)
+
+    def write_key_positions(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """Where some layers have a window, the new keys' positions (`KVPool.pos`), written
+        inside the graph: the eager runner writes them before its forward."""
+        if self.model.has_windows:
+            self.pool.pos[slots] = positions.to(torch.int32)
 
     def _prepare_capture(self, size: int) -> None:
         """Fills the inputs that the graphs of `size` are captured with."""
@@ -180,14 +221,19 @@ class DecodeGraphs(_StepGraphs):
     def _forward(self, size: int, turning: bool, splits: int,
                  scratch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ids, positions, rows, kv_lens, num_ranges = (t[:size] for t in self.inputs)
-        turns = (DecodeTurns(ranges=self.ranges[:size], cos=self.turn_cos, sin=self.turn_sin,
-                             index=num_ranges, max_ranges=MAX_RANGES) if turning else None)
-        state = TritonState(table=self.slot_table.table, decode=DecodeBatch(
-            rows=rows, kv_lens=kv_lens, q_rows=self.q_rows[:size], num_splits=splits,
-            scratch=scratch, turns=turns))
-        meta = AttentionMetadata(write_slots=self.slot_table.table[rows, kv_lens - 1].long(),
-                                 state=state)
-        return self.model(ids, positions, self.logits_rows[:size], self.pool, meta, self.backend)
+        write_slots = self.slot_table.table[rows, kv_lens - 1].long()
+        self.write_key_positions(write_slots, positions)
+        metas = []
+        for kind in range(self.model.num_kinds):
+            turns = (DecodeTurns(ranges=self.ranges[:size], cos=self.turn_cos[kind],
+                                 sin=self.turn_sin[kind], index=num_ranges,
+                                 max_ranges=MAX_RANGES) if turning else None)
+            state = TritonState(table=self.slot_table.table, decode=DecodeBatch(
+                rows=rows, kv_lens=kv_lens, q_rows=self.q_rows[:size], num_splits=splits,
+                scratch=scratch, turns=turns, window=self.window(kind, positions)))
+            metas.append(AttentionMetadata(write_slots=write_slots, state=state))
+        return self.model(ids, positions, self.logits_rows[:size], self.pool, tuple(metas),
+                          self.backend)
 
     def plan(self, size: int) -> tuple[int, tuple[torch.Tensor, torch.Tensor]]:
         """KV splits and scratch buffers of the graph for `size` sequences: splits are chosen
@@ -241,10 +287,9 @@ class DecodeGraphs(_StepGraphs):
 
     def _fill_turns(self, works: Sequence) -> None:
         """The step's turns and the cos/sin of their deltas, into the graphs' buffers."""
-        table = TurnTable.build(self.model.rotary, (d for w in works for _, _, d in w.turns))
+        table = self.fill_turn_tables([d for w in works for _, _, d in w.turns])
         ranges = padded_ranges([table.by_row(w.turns) for w in works])
         self.ranges[:len(works), :ranges.shape[1]].copy_(ranges, non_blocking=True)
-        table.fill(self.turn_cos, self.turn_sin)
 
 
 def token_sizes(max_tokens: int) -> list[int]:
@@ -358,14 +403,18 @@ class ExtendGraphs(_StepGraphs):
             write_slots = self.kv_index[entries].long()
         else:
             write_slots = self.kv_index[offset + self.arange[:size]].long()
-        state = TritonState(table=self.slot_table.table, extend=ExtendBatch(
-            kv_index=self.kv_index, kv_indptr=counts[0:3], q_starts=counts[3:5],
-            q_lens=counts[5:7], max_q_len=size, splits=splits,
-            tok_starts=counts[3:5], merge_rows=self.rows32[:size], q_limit=q_limit,
-            entry_turns=self.entry_turns if turning else None,
-            turn_tables=(self.turn_cos, self.turn_sin) if turning else None))
-        meta = AttentionMetadata(write_slots=write_slots, state=state)
-        return self.model(ids, positions, logits_row, self.pool, meta, self.backend,
+        self.write_key_positions(write_slots, positions if keys is None else keys)
+        metas = []
+        for kind in range(self.model.num_kinds):
+            state = TritonState(table=self.slot_table.table, extend=ExtendBatch(
+                kv_index=self.kv_index, kv_indptr=counts[0:3], q_starts=counts[3:5],
+                q_lens=counts[5:7], max_q_len=size, splits=splits,
+                tok_starts=counts[3:5], merge_rows=self.rows32[:size], q_limit=q_limit,
+                entry_turns=self.entry_turns if turning else None,
+                turn_tables=(self.turn_cos[kind], self.turn_sin[kind]) if turning else None,
+                window=self.window(kind, positions)))
+            metas.append(AttentionMetadata(write_slots=write_slots, state=state))
+        return self.model(ids, positions, logits_row, self.pool, tuple(metas), self.backend,
                           key_positions=keys)
 
     def can_run(self, works: Sequence) -> bool:
@@ -411,10 +460,9 @@ class ExtendGraphs(_StepGraphs):
         if variant != "plain":
             k = index.numel()
             if step.turns:
-                table = TurnTable.build(self.model.rotary, (d for _, _, d in step.turns))
+                table = self.fill_turn_tables([d for _, _, d in step.turns])
                 self.entry_turns[:k].copy_(entry_turns(table.by_row(step.turns), k,
                                                        index.device))
-                table.fill(self.turn_cos, self.turn_sin)
             else:
                 self.entry_turns[:k].fill_(-1)
             self.entry_turns[k:k + size].fill_(-1)  # the padding sequence's entries

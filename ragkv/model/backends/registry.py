@@ -9,16 +9,12 @@ from .base import AttentionBackend
 from .torch_sdpa import TorchAttentionBackend
 
 
-def get_attention_backend(name: str = "torch", device: torch.device | None = None,
-                          windows: bool = False) -> AttentionBackend:
+def get_attention_backend(name: str = "torch",
+                          device: torch.device | None = None) -> AttentionBackend:
     """The backend called `name` for `device`; "auto" is Triton on CUDA when it imports,
-    else torch. `windows`: the model has sliding-window layers, which only the torch
-    backend applies so far ("auto" picks it)."""
-    if windows and name == "triton":
-        raise ValueError("the triton attention backend does not apply sliding windows yet; "
-                         "use --attention-backend torch (or auto) for this model")
+    else torch."""
     if name == "auto":
-        if device is None or device.type != "cuda" or windows:
+        if device is None or device.type != "cuda":
             return TorchAttentionBackend()
         from . import triton_kernels
 

@@ -335,7 +335,8 @@ class TorchAttentionBackend:
                scale: float) -> torch.Tensor:
         return self._attend(q, pool.k[layer], pool.v[layer], meta.state, scale)
 
-    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int) -> None:
+    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int,
+               windows: bool = False) -> None:
         """Nothing to compile."""
 
     @staticmethod

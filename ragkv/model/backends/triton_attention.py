@@ -21,6 +21,7 @@ from .base import FUSED_OPS, AttentionBatch, AttentionMetadata
 from .triton_kernels import (
     MAX_SPLITS,
     DecodeTurns,
+    SlidingWindow,
     decode_attention,
     decode_splits,
     extend_attention,
@@ -48,6 +49,7 @@ class DecodeBatch:
     num_splits: int
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None
     turns: DecodeTurns | None = None
+    window: SlidingWindow | None = None
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class ExtendBatch:
     q_limit: torch.Tensor | None = None
     entry_turns: torch.Tensor | None = None
     turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: keys forward
+    window: SlidingWindow | None = None
 
 
 @dataclass(slots=True)
@@ -112,6 +115,10 @@ class TritonAttentionBackend:
             else:
                 extend.append(i)
         table = batch.turn_table if any(batch.turns) else None
+        window = None
+        if batch.window is not None:  # one for both launches: positions are the step's
+            window = SlidingWindow(batch.window, batch.query_positions, batch.slot_positions,
+                                   None if table is None else table.deltas(device))
         if decode:
             host = torch.tensor([[batch.rows[i] for i in decode],
                                  [batch.kv_lens[i] for i in decode],
@@ -120,7 +127,8 @@ class TritonAttentionBackend:
             max_kv = max(batch.kv_lens[i] for i in decode)
             state.decode = DecodeBatch(
                 rows=dev[0], kv_lens=dev[1], q_rows=dev[2],
-                num_splits=decode_splits(len(decode), batch.num_kv_heads, max_kv, device))
+                num_splits=decode_splits(len(decode), batch.num_kv_heads, max_kv, device),
+                window=window)
             if table is not None and any(batch.turned(i) for i in decode):
                 per_seq = [batch.turns[i] for i in decode]
                 ranges = padded_ranges(per_seq)
@@ -130,6 +138,7 @@ class TritonAttentionBackend:
                     max_ranges=ranges.shape[1])
         if extend:
             state.extend = self._prepare_extend(batch, extend, device)
+            state.extend.window = window
         return state
 
     @staticmethod
@@ -175,13 +184,15 @@ class TritonAttentionBackend:
         return launch
 
     @torch.inference_mode()
-    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int) -> None:
+    def warmup(self, pool: KVPool, num_heads: int, table: torch.Tensor, pad_row: int,
+               windows: bool = False) -> None:
         """Compile every variant of the kernels before the first request: the extend kernel
         with and without KV splits, turned keys, query entries and packed heads, the decode
-        kernel with and without turned keys, and the merge kernel at every tile of split
-        counts. Lengths, counts and offsets are run-time values, so these are all the
-        variants a server meets. The dummy inputs read only the padding slot 0 (`pad_row` of
-        the slot table) and write only a scratch output."""
+        kernel with and without turned keys, each with a sliding window too where the model
+        has `windows`, and the merge kernel at every tile of split counts. Lengths, counts,
+        offsets and window sizes are run-time values, so these are all the variants a
+        server meets. The dummy inputs read only the padding slot 0 (`pad_row` of the slot
+        table) and write only a scratch output."""
         device = pool.kv.device
         k_cache, v_cache = pool.k[0], pool.v[0]
         head_dim = k_cache.shape[-1]
@@ -195,7 +206,10 @@ class TritonAttentionBackend:
         # Split counts are run-time values: one per tile of the merge kernel (BLOCK_S).
         splits_ladder = [1 << i for i in range(MAX_SPLITS.bit_length())]  # 1, 2, 4, ... 64
         packs = (False, True) if num_heads > k_cache.shape[1] else (False,)
-        for splits in splits_ladder:
+        slid = SlidingWindow(1, torch.zeros(2, dtype=torch.long, device=device), pool.pos,
+                             torch.zeros(1, dtype=torch.long, device=device))
+        for splits, window in itertools.product(splits_ladder,
+                                                (None, slid) if windows else (None,)):
             variants = (itertools.product((False, True), (False, True), packs) if splits <= 2
                         else [(False, False, False)])
             for turning, indexed, pack in variants:
@@ -203,10 +217,11 @@ class TritonAttentionBackend:
                                  i32([2]), 2, 1.0, splits, i32([0]), i32([0, 1]),
                                  i32([0, 1]) if indexed else None,
                                  i32([0, -1]) if turning else None,
-                                 tables if turning else None, pack=pack)
+                                 tables if turning else None, pack=pack, window=window)
             for turning in (False, True):
                 decode_attention(q, k_cache, v_cache, out, table, i32([pad_row]), i32([1]),
-                                 i32([0]), splits, 1.0, turns=turns if turning else None)
+                                 i32([0]), splits, 1.0, turns=turns if turning else None,
+                                 window=window)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -223,9 +238,10 @@ class TritonAttentionBackend:
         if e is not None:
             extend_attention(q, k_cache, v_cache, out, e.kv_index, e.kv_indptr, e.q_starts,
                              e.q_lens, e.max_q_len, scale, e.splits, e.tok_starts,
-                             e.merge_rows, e.q_limit, e.entry_turns, e.turn_tables)
+                             e.merge_rows, e.q_limit, e.entry_turns, e.turn_tables,
+                             window=e.window)
         d = state.decode
         if d is not None:
             decode_attention(q, k_cache, v_cache, out, state.table, d.rows, d.kv_lens,
-                             d.q_rows, d.num_splits, scale, d.scratch, d.turns)
+                             d.q_rows, d.num_splits, scale, d.scratch, d.turns, d.window)
         return out

@@ -23,6 +23,12 @@ kernels:
   ones): the extend kernel takes each query's last visible entry from a per-token array
   instead of the bottom-right diagonal.
 
+Sliding-window layers (`SlidingWindow`) add one test to the mask: a query at position p sees
+an entry whose key sits at position > p - window, the key's position being its slot's
+(`KVPool.pos`) plus its turn's delta. A block of entries that no row of the tile sees is
+skipped after loading only its positions, so a long prompt's windowed layers read about
+window + tile entries per query block, not the whole list.
+
 Triton is imported lazily (it ships with CUDA builds of PyTorch). With TRITON_INTERPRET=1 the
 kernels run on CPU tensors through Triton's interpreter, which is how CPU-only CI tests them.
 """
@@ -89,26 +95,22 @@ if triton is not None:
         return turned.to(k.dtype)
 
     @triton.jit
-    def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, lim,
-                      offs_d, d_valid, stride_kt, qk_scale, entry_turns, turn_cos, turn_sin,
-                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                      PRECISION: tl.constexpr, TURN: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """One block of KV entries folded into the running softmax (base-2 exponentials).
-        Row i sees the entries up to lim[i] of the list."""
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
-        k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+    def _window_positions(slots, n_valid, k_pos, turn, turn_deltas, TURN: tl.constexpr):
+        """The position each entry's key is seen at: its slot's, turned by its turn's delta
+        (`turn`: its row of the turn tables, -1 for none)."""
+        kpos = tl.load(k_pos + slots, mask=n_valid, other=0).to(tl.int64)
         if TURN:
-            # A load beside kv_index's, not a search of the ranges: the block's loads stay
-            # pipelined.
-            turn = tl.load(entry_turns + kv_begin + offs_n, mask=n_valid, other=-1)
-            k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid, stride_kt,
-                           turn_cos, turn_sin, HEAD_DIM)
+            kpos += tl.load(turn_deltas + tl.maximum(turn, 0), mask=n_valid & (turn >= 0),
+                            other=0).to(tl.int64)
+        return kpos
+
+    @triton.jit
+    def _extend_fold(acc, m_i, l_i, q, k, v_base, slots, n_valid, visible, offs_d, d_valid,
+                     stride_kt, qk_scale, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+        """K rows `k` and their V folded into the running softmax (base-2 exponentials),
+        row i seeing the entries `visible[i]` (MASKED)."""
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        if MASKED:  # the block crosses the causal diagonal or the end of the list
-            visible = (offs_n[None, :] <= lim[:, None]) & n_valid[None, :]
+        if MASKED:
             qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row that has seen nothing yet (a later KV split) keeps -inf safely.
@@ -124,6 +126,54 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return acc, m_new, l_i
 
+    @triton.jit
+    def _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin, start, hi, lim,
+                      offs_d, d_valid, stride_kt, qk_scale, entry_turns, turn_cos, turn_sin,
+                      qpos, k_pos, turn_deltas, window,
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      PRECISION: tl.constexpr, TURN: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      WINDOW: tl.constexpr):
+        """One block of KV entries folded into the running softmax. Row i sees the entries
+        up to lim[i] of the list and, with WINDOW (always MASKED), only those whose keys sit
+        within `window` positions of its query's `qpos[i]`."""
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        slots = tl.load(kv_index + kv_begin + offs_n, mask=n_valid, other=0).to(tl.int64)
+        if TURN:
+            # A load beside kv_index's, not a search of the ranges: the block's loads stay
+            # pipelined.
+            turn = tl.load(entry_turns + kv_begin + offs_n, mask=n_valid, other=-1)
+        else:
+            turn = offs_n * 0 - 1
+        if MASKED:  # the block crosses the causal diagonal or the end of the list
+            visible = (offs_n[None, :] <= lim[:, None]) & n_valid[None, :]
+        else:
+            visible = n_valid[None, :]
+        if WINDOW:
+            kpos = _window_positions(slots, n_valid, k_pos, turn, turn_deltas, TURN)
+            visible = visible & (qpos[:, None] - kpos[None, :] < window)
+            # Only the positions were loaded so far: a block out of every row's window is
+            # skipped whole.
+            if tl.max(tl.max(visible.to(tl.int32), 1), 0) > 0:
+                k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                            mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+                if TURN:
+                    k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid,
+                                   stride_kt, turn_cos, turn_sin, HEAD_DIM)
+                acc, m_i, l_i = _extend_fold(acc, m_i, l_i, q, k, v_base, slots, n_valid,
+                                             visible, offs_d, d_valid, stride_kt, qk_scale,
+                                             True, PRECISION)
+        else:
+            k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+            if TURN:
+                k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid, stride_kt,
+                               turn_cos, turn_sin, HEAD_DIM)
+            acc, m_i, l_i = _extend_fold(acc, m_i, l_i, q, k, v_base, slots, n_valid, visible,
+                                         offs_d, d_valid, stride_kt, qk_scale, MASKED,
+                                         PRECISION)
+        return acc, m_i, l_i
+
     # Lengths, offsets and counts are data, never specialised on, so no new length or batch
     # ever compiles a new kernel.
     #
@@ -135,21 +185,25 @@ if triton is not None:
     # TURN: `entry_turns`, beside `kv_index`, holds each entry's row of the turn tables (-1:
     # the key as stored).
     # INDEXED: query t of a sequence sees entries 0 .. q_limit[tok_starts[i] + t].
+    # WINDOW: row t of the step's queries is at position q_pos[t], the key of slot s at
+    # k_pos[s] (plus turn_deltas[row] of its turn), and a query sees keys less than `window`
+    # positions behind it; every block takes the masked path.
     # PACK: a tile's rows are (token, head) pairs of one KV head's group, token-major, so a
     # few query tokens still fill the tile and the group's K/V blocks are read once for all
     # its heads (as in the decode kernel); otherwise a tile is BLOCK_M tokens of one head.
     @triton.jit(do_not_specialize=["kv_index", "kv_indptr", "q_starts", "q_lens", "tok_starts",
-                                   "entry_turns", "q_limit", "splits", "stride_mb", "stride_mh"])
+                                   "entry_turns", "q_limit", "splits", "stride_mb", "stride_mh",
+                                   "q_pos", "k_pos", "turn_deltas", "window"])
     def _extend_kernel(
         Q, K, V, Out, kv_index, kv_indptr, q_starts, q_lens, tok_starts, mid_o, mid_lse,
-        entry_turns, turn_cos, turn_sin, q_limit,
+        entry_turns, turn_cos, turn_sin, q_limit, q_pos, k_pos, turn_deltas,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
         stride_mb, stride_mh,
-        qk_scale, splits,
+        qk_scale, splits, window,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         SPLIT: tl.constexpr, TURN: tl.constexpr, INDEXED: tl.constexpr,
-        PACK: tl.constexpr,
+        PACK: tl.constexpr, WINDOW: tl.constexpr,
     ):
         seq = tl.program_id(0)
         block = tl.program_id(1)
@@ -198,8 +252,14 @@ if triton is not None:
         per_split = tl.cdiv(tl.cdiv(hi, splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
         end = tl.minimum(lo + per_split, hi)
-        # Blocks wholly visible to every row of this query block need no mask.
-        full = tl.minimum(tl.minimum(edge, hi) // BLOCK_N * BLOCK_N, end)
+        # Blocks wholly visible to every row of this query block need no mask (a window
+        # may hide any block from any row).
+        if WINDOW:
+            full = lo
+            qpos = tl.load(q_pos + q_start + tok, mask=m_valid, other=0).to(tl.int64)
+        else:
+            full = tl.minimum(tl.minimum(edge, hi) // BLOCK_N * BLOCK_N, end)
+            qpos = tok
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -208,14 +268,16 @@ if triton is not None:
         for start in range(lo, full, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
-                                          entry_turns, turn_cos, turn_sin, BLOCK_N,
-                                          False, PRECISION, TURN, HEAD_DIM)
+                                          entry_turns, turn_cos, turn_sin, qpos, k_pos,
+                                          turn_deltas, window, BLOCK_N, False, PRECISION,
+                                          TURN, HEAD_DIM, WINDOW)
         for start in range(tl.maximum(lo, full), end, BLOCK_N):
             acc, m_i, l_i = _extend_block(acc, m_i, l_i, q, k_base, v_base, kv_index, kv_begin,
                                           start, hi, lim, offs_d, d_valid, stride_kt, qk_scale,
-                                          entry_turns, turn_cos, turn_sin, BLOCK_N,
-                                          True, PRECISION, TURN, HEAD_DIM)
-        if not SPLIT:  # entry 0 is in every row's view, so l_i > 0
+                                          entry_turns, turn_cos, turn_sin, qpos, k_pos,
+                                          turn_deltas, window, BLOCK_N, True, PRECISION,
+                                          TURN, HEAD_DIM, WINDOW)
+        if not SPLIT:  # a row sees its own entry at least, so l_i > 0
             out = acc / l_i[:, None]
             tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
                      + offs_d[None, :], out.to(Out.dtype.element_ty),
@@ -233,18 +295,19 @@ if triton is not None:
     # TURN: row b's turns are rows b * max_ranges .. + rot_counts[b] of
     # `ranges` (a row without any skips the turning at run time, so one compiled kernel, and
     # one captured graph, serves batches with and without them).
+    # WINDOW: as in the extend kernel, the query at position q_pos[q_rows[b]].
     @triton.jit(do_not_specialize=["rows", "kv_lens", "q_rows", "num_splits", "rot_counts",
                                    "ranges", "max_ranges", "stride_mb", "stride_mh",
-                                   "stride_ms"])
+                                   "stride_ms", "q_pos", "k_pos", "turn_deltas", "window"])
     def _decode_kernel(
         Q, K, V, table, rows, kv_lens, q_rows, mid_o, mid_lse,
-        rot_counts, ranges, turn_cos, turn_sin, max_ranges,
+        rot_counts, ranges, turn_cos, turn_sin, max_ranges, q_pos, k_pos, turn_deltas,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
         stride_mb, stride_mh, stride_ms,
-        qk_scale, num_splits,
+        qk_scale, num_splits, window,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        TURN: tl.constexpr,
+        TURN: tl.constexpr, WINDOW: tl.constexpr,
     ):
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -273,43 +336,68 @@ if triton is not None:
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         k_base = K + kv_head * stride_kh
         v_base = V + kv_head * stride_kh
+        if WINDOW:
+            qpos = tl.load(q_pos + q_row).to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             n_valid = offs_n < hi
             slots = tl.load(table + row * stride_table + offs_n, mask=n_valid,
                             other=0).to(tl.int64)
-            k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            if TURN:  # noqa: SIM102 (compile time, then run time per sequence)
-                if r_hi > r_lo:
+            if WINDOW:
+                if TURN:  # noqa: SIM108 (compile time); -1 everywhere for a row without turns
                     turn = _range_turns(offs_n, ranges, r_lo, r_hi)
-                    k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid,
-                                   stride_kt, turn_cos, turn_sin, HEAD_DIM)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            qk = tl.where(n_valid[None, :], qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)
-            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        # An empty slice (past the end of a short sequence) leaves lse = -inf and no output;
-        # the merge skips it.
-        empty = hi <= lo
+                else:
+                    turn = offs_n * 0 - 1
+                kpos = _window_positions(slots, n_valid, k_pos, turn, turn_deltas, TURN)
+                visible = n_valid & (qpos - kpos < window)
+                # Only the positions were loaded: a block out of the window is skipped whole.
+                if tl.max(visible.to(tl.int32), 0) > 0:
+                    k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                                mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+                    if TURN:
+                        k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid,
+                                       stride_kt, turn_cos, turn_sin, HEAD_DIM)
+                    acc, m_i, l_i = _decode_fold(acc, m_i, l_i, q, k, v_base, slots,
+                                                 n_valid, visible, offs_d, d_valid,
+                                                 stride_kt, qk_scale, PRECISION)
+            else:
+                k = tl.load(k_base + slots[:, None] * stride_kt + offs_d[None, :],
+                            mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+                if TURN:  # noqa: SIM102 (compile time, then run time per sequence)
+                    if r_hi > r_lo:
+                        turn = _range_turns(offs_n, ranges, r_lo, r_hi)
+                        k = _turn_keys(k, turn, k_base, slots, n_valid, offs_d, d_valid,
+                                       stride_kt, turn_cos, turn_sin, HEAD_DIM)
+                acc, m_i, l_i = _decode_fold(acc, m_i, l_i, q, k, v_base, slots, n_valid,
+                                             n_valid, offs_d, d_valid, stride_kt, qk_scale,
+                                             PRECISION)
+        # A slice that saw nothing (past the end of a short sequence, or out of the window)
+        # leaves lse = -inf and no output; the merge skips it.
+        seen = l_i > 0
         # Base 2 throughout: the merge only compares and exponentiates these.
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
         base = b * stride_mb + heads * stride_mh + split * stride_ms
         # mid_o is contiguous [B, H, S, D]: its offsets are mid_lse's times HEAD_DIM.
         tl.store(mid_lse + base, lse, mask=h_valid)
-        # The emptiness test joins the mask as a vector: Triton's interpreter rejects a
-        # mask broadcast from a scalar comparison.
-        h_store = h_valid & (offs_h * 0 + hi > lo)
         tl.store(mid_o + base[:, None] * HEAD_DIM + offs_d[None, :], out,
-                 mask=h_store[:, None] & d_valid[None, :])
+                 mask=(h_valid & seen)[:, None] & d_valid[None, :])
+
+    @triton.jit
+    def _decode_fold(acc, m_i, l_i, q, k, v_base, slots, n_valid, visible, offs_d, d_valid,
+                     stride_kt, qk_scale, PRECISION: tl.constexpr):
+        """A block of K rows and their V folded into the decode's running softmax; some
+        entry of the block is `visible`, so every row's maximum is finite."""
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        qk = tl.where(visible[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slots[:, None] * stride_kt + offs_d[None, :],
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return acc, m_new, l_i
 
     # The strides of mid_o / mid_lse depend on the split count: never specialised on.
     @triton.jit(do_not_specialize=["q_rows", "num_splits", "stride_mb", "stride_mh"])
@@ -398,6 +486,18 @@ class DecodeTurns:
     max_ranges: int = 0
 
 
+@dataclass(slots=True)
+class SlidingWindow:
+    """What a launch needs to apply a sliding window: its width, each query row's position
+    (by row of q, int64), each slot's key position (`KVPool.pos`, int32) and, where keys are
+    turned, each turn-table row's delta (`TurnTable.deltas`)."""
+
+    size: int
+    query_positions: torch.Tensor
+    slot_positions: torch.Tensor
+    turn_deltas: torch.Tensor | None = None
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      out: torch.Tensor, kv_index: torch.Tensor, kv_indptr: torch.Tensor,
                      q_starts: torch.Tensor, q_lens: torch.Tensor, max_q_len: int,
@@ -406,7 +506,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      q_limit: torch.Tensor | None = None,
                      entry_turns: torch.Tensor | None = None,
                      turn_tables: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     pack: bool | None = None) -> None:
+                     pack: bool | None = None, window: SlidingWindow | None = None) -> None:
     """Attention of the sequences' query rows of `q` [T, H, D] over their ragged slot lists
     (`kv_index[kv_indptr[i]:kv_indptr[i+1]]`), bottom-right causal, written into `out`.
 
@@ -415,7 +515,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `q_limit` (int32 per query token, by that place: the last entry of the list it sees,
     replacing the bottom-right diagonal). `entry_turns` (int32 beside `kv_index`): each entry's
     row of `turn_tables` (cos, sin turning a key forward by a delta), -1 for none. `pack`:
-    the group's heads share tiles (see `extend_packs`, which decides when None)."""
+    the group's heads share tiles (see `extend_packs`, which decides when None). `window`:
+    the sliding window of the layer (with `entry_turns`, its `turn_deltas` too)."""
     num_seqs = q_starts.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k_cache.shape[1]
@@ -440,11 +541,13 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         unused if tok_starts is None else tok_starts, mid_o, mid_lse,
         entry_turns if turning else unused, turn_tables[0] if turning else out,
         turn_tables[1] if turning else out, unused if q_limit is None else q_limit,
+        *_window_args(window, turning, unused),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), mid_lse.stride(0), mid_lse.stride(1), scale * _LOG2E,
-        splits, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+        splits, 0 if window is None else window.size,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PRECISION=precision, SPLIT=splits > 1, TURN=turning,
-        INDEXED=q_limit is not None, PACK=pack,
+        INDEXED=q_limit is not None, PACK=pack, WINDOW=window is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
@@ -454,6 +557,17 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(splits)),
             num_warps=4 if q.device.type == "cuda" else 1,
         )
+
+
+def _window_args(window: SlidingWindow | None, turning: bool,
+                 unused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' q_pos, k_pos, turn_deltas arguments (`unused` where there is none)."""
+    if window is None:
+        return unused, unused, unused
+    if turning and window.turn_deltas is None:
+        raise ValueError("a sliding window over turned keys needs the turns' deltas")
+    return (window.query_positions, window.slot_positions,
+            window.turn_deltas if turning else unused)
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
@@ -470,10 +584,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
                      kv_lens: torch.Tensor, q_rows: torch.Tensor, num_splits: int,
                      scale: float, scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     turns: DecodeTurns | None = None) -> None:
+                     turns: DecodeTurns | None = None,
+                     window: SlidingWindow | None = None) -> None:
     """One query row per sequence (`q[q_rows[b]]`) over the first `kv_lens[b]` slots of
-    `table[rows[b]]`, written into `out[q_rows[b]]`. Reads lengths, rows and re-positioned
-    ranges (`turns`) on the device only, so a captured graph replays it for any of them."""
+    `table[rows[b]]`, written into `out[q_rows[b]]`. Reads lengths, rows, re-positioned
+    ranges (`turns`) and positions (`window`) on the device only, so a captured graph
+    replays it for any of them."""
     batch = rows.numel()
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[1]
@@ -490,12 +606,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, table, rows, kv_lens, q_rows, mid_o, mid_lse,
         turns.index if turning else rows, turns.ranges if turning else rows,
         turns.cos if turning else mid_o, turns.sin if turning else mid_o,
-        turns.max_ranges if turning else 0,
+        turns.max_ranges if turning else 0, *_window_args(window, turning, rows),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
         mid_lse.stride(0), mid_lse.stride(1), mid_lse.stride(2),
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, 0 if window is None else window.size,
         GROUP=group, BLOCK_H=max(16, _next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, TURN=turning,
+        BLOCK_N=DECODE_BLOCK_N, PRECISION=precision, TURN=turning, WINDOW=window is not None,
         num_warps=4 if cuda else 1, num_stages=2 if cuda else 1,
     )
     _merge_kernel[(batch, heads)](
