@@ -282,8 +282,9 @@ def test_complete_bodies_are_not_cut_by_the_body_deadline(server):
         assert client.post("/v1/completions", json=body).status_code == 200
         time.sleep(BODY_TIMEOUT * 2)  # under --timeout-keep-alive (5 s): the same connection
         assert client.post("/v1/completions", json=body).status_code == 200
-        # A stream that runs well past the deadline (1,000 tokens: about 2.5 s on 2 cores).
-        stream = {**body, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        # A stream that runs past the deadline: 2,000 tokens (the server's --max-model-len is
+        # 2048), about 1.5 s on 2 cores with nothing else running (1,000 took 0.8 s).
+        stream = {**body, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         start = time.monotonic()
         with client.stream("POST", "/v1/completions", json=stream) as response:
             assert response.status_code == 200
