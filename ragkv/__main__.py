@@ -4,4 +4,6 @@ import sys
 
 from .entrypoints.cli import main
 
-sys.exit(main())
+# Guarded: tensor parallelism's worker processes (spawned) import the main module again.
+if __name__ == "__main__":
+    sys.exit(main())

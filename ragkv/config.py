@@ -105,6 +105,9 @@ class EngineConfig:
     # load; None picks the faster one for the device and file (model/loader.py: use_packed).
     quantization: str | None = None
     device: str = "auto"
+    # vLLM's flag: ranks (processes, one GPU each on CUDA) the model's heads and MLP split
+    # across (model/parallel.py, model/executor.py).
+    tensor_parallel_size: int = 1
     seed: int = 0
     kv_cache_tokens: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -202,6 +205,12 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
+                             f"{self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and (self.chunk_store or self.quantization == "gguf"):
+            raise ValueError("tensor_parallel_size > 1 does not yet take a chunk_store or "
+                             "quantization='gguf' (each rank would need its heads' share)")
         if self.quantization not in (None, "gguf", "none"):
             raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got "
                              f"{self.quantization!r}")

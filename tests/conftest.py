@@ -87,6 +87,9 @@ FAMILIES = {
                             "sliding_attention": {"rope_type": "default",
                                                   "rope_theta": 10000.0}}}),
 }
+FAMILIES["llama_gqa3"] = ("LlamaConfig", {  # SmolLM2's shape in small: 3 KV groups
+    "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+    "intermediate_size": 131})  # split 66 + 65 over two ranks
 MAIN_FAMILIES = ["llama", "llama_linear_bias", "llama3", "yarn", "mistral", "qwen2", "qwen3",
                  "mistral_window", "gemma3"]
 

@@ -29,12 +29,13 @@ from ..cache.store.tiered import build_chunk_store
 from ..config import EngineConfig, resolve_device, resolve_dtype
 from ..inputs.prompt import ChunkedPrompt
 from ..inputs.token_cache import TokenCache, TokenCacheStats
+from ..model.executor import EngineDeadError, RankSpec, make_runner
 from ..model.llama import CausalLM
 from ..model.loader import inspect_checkpoint, load_tokenizer, load_weights, use_packed
-from ..model.runner import ModelRunner
+from ..model.parallel import TPGroup
 from ..outputs import RequestOutput
 from ..recompute.policy import check_layers_for
-from ..recompute.profile import describe_settings, resolve_recompute
+from ..recompute.profile import describe_default, resolve_recompute
 from ..sampling.params import SamplingParams
 from ..structured.token_grammar import StructuredOutputs
 from .input_processor import InputProcessor
@@ -80,11 +81,12 @@ class Engine:
         self.dtype = resolve_dtype(config, self.device, checkpoint.torch_dtype)
         self.tokenizer = load_tokenizer(config.tokenizer or checkpoint.path)
         max_len = model_len_limit(config, mc.max_context_len)
-        self.model = CausalLM(mc, max_len, self.dtype, self.device).eval()
+        tp = TPGroup(0, config.tensor_parallel_size)  # rank 0's shard (all without TP)
+        self.model = CausalLM(mc, max_len, self.dtype, self.device, tp).eval()
         self.weights = load_weights(self.model, checkpoint, packed)
         # Packed weights compute other values than dequantized ones: other chunk KV.
         weights_id = checkpoint.fingerprint + self.weights.id_suffix
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim,
+        per_token = KVPool.bytes_per_token(mc.num_layers, self.model.num_kv_heads, mc.head_dim,
                                            self.dtype)
         size = size_pool(config, per_token, self.device, max_len)
         self.max_model_len = size.max_model_len
@@ -104,9 +106,10 @@ class Engine:
                                      # Check layers the user gave serve every method; a
                                      # profile's only its own scorers (calibrated for them).
                                      layers_for_all=given_layers is not None)
-        self.pool = KVPool(mc.num_layers, size.num_slots, mc.num_kv_heads, mc.head_dim,
+        self.pool = KVPool(mc.num_layers, size.num_slots, self.model.num_kv_heads, mc.head_dim,
                            self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.pool, config, self.max_model_len)
+        self.runner = make_runner(self.model, self.pool, RankSpec(
+            config, checkpoint, self.dtype, max_len, self.max_model_len, size.num_slots, packed))
         self.kv = KVCacheManager(SlotAllocator(1, size.general_end),
                                  config.enable_prefix_caching, on_release=self.runner.release)
         self.chunk_store = build_chunk_store(config.chunk_store,
@@ -185,21 +188,12 @@ class Engine:
 
     def describe_rag_default(self) -> str:
         """One line: the default layout of a RAG prompt, its recompute and their source."""
-        c = self.config
-        text = f"positions {c.position_strategy}, chunk attention {c.chunk_attention}"
-        if c.recompute == "none":
-            return text + ", no recompute (exact chunk reuse)"
-        where = {"profile": f"calibrated profile {getattr(self.recompute_profile, 'path', '')}",
-                 "model-agnostic": "no calibrated profile for this model: the model-agnostic "
-                                   "default",
-                 "config": "as configured"}[self.recompute_source]
-        return text + f", recompute {describe_settings(self.recompute_settings())} ({where})"
+        return describe_default(self.recompute_settings())
 
     def abort_request(self, request_id: str) -> None:
         self.outputs.abort(request_id)
 
     def abort_all(self) -> None:
-        """Abort every queued and running request."""
         self.outputs.abort_all()
 
     def step(self, include_unfinished: bool = False) -> list[RequestOutput]:
@@ -211,8 +205,8 @@ class Engine:
         or turning its token into text) finishes that request alone with finish_reason
         "error" and `RequestOutput.error`; if the model itself cannot run the step, the
         requests in the step fail and every other request and cache stays as it was. An
-        `InvariantViolation` (debug checks found the bookkeeping inconsistent) propagates:
-        the engine must not go on."""
+        `EngineDeadError` (a tensor-parallel rank died; an `InvariantViolation`: debug checks
+        found the bookkeeping inconsistent) propagates: the engine must not go on."""
         sched = self.scheduler.schedule()
         # Requests that failed while being planned are already out of the step. Their
         # siblings fail after it: one of them may compute a chunk another request of this
@@ -223,6 +217,8 @@ class Engine:
             return self.outputs.fail_parents(sched.failed)
         try:
             result = self.runner.execute(sched.works, sched.probes)
+        except EngineDeadError:
+            raise
         except Exception as e:  # the step cannot go on: fail its requests, keep the rest
             logger.exception("model step failed")
             message = f"model step failed: {type(e).__name__}: {e}"
@@ -258,6 +254,8 @@ class Engine:
         `wake_up()`, the prefix cache is dropped. Refused while requests are unfinished."""
         if self._asleep is not None:
             return
+        if self.config.tensor_parallel_size > 1:
+            raise RuntimeError("sleep() is one process's: not with tensor_parallel_size > 1")
         if self.scheduler.has_unfinished():
             raise RuntimeError("sleep() with unfinished requests: let them finish or abort "
                                "them first")
@@ -288,9 +286,11 @@ class Engine:
             self.chunk_store.flush()
 
     def close(self) -> None:
-        """Finish the chunk store's pending writes and close its connections."""
+        """Finish the chunk store's pending writes and close its connections; stop the
+        tensor-parallel workers."""
         if self.chunk_store is not None:
             self.chunk_store.close()
+        self.runner.close()
 
     def stats(self) -> EngineStats:
         radix = self.kv.radix

@@ -44,6 +44,7 @@ from collections import deque
 
 from ..cache.chunk_cache import LOADING, ChunkCache
 from ..cache.kv_manager import KVCacheManager
+from ..model.executor import EngineDeadError
 from ..recompute.planner import RecomputePlanner
 from .request import ChunkBinding, Request, RequestStatus
 from .scheduler_output import SchedulerOutput, SeqWork
@@ -52,7 +53,7 @@ from .speculative import Speculator
 logger = logging.getLogger("ragkv")
 
 
-class InvariantViolation(RuntimeError):
+class InvariantViolation(EngineDeadError):
     """The scheduler's bookkeeping is inconsistent (`check_invariants`): no one request is at
     fault, so the engine cannot go on safely."""
 

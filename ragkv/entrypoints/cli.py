@@ -78,6 +78,9 @@ def add_engine_args(parser: argparse.ArgumentParser,
                              "kernels on CUDA; none: dequantize every weight at load (default: "
                              "gguf for such a file on CPU unless --dtype float32, else none)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model's heads and MLP across this many processes "
+                             "(one GPU each on CUDA, from --device's; gloo on CPU)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the engine's sampling (requests may give their own)")
     parser.add_argument("--max-model-len", type=int, default=None,

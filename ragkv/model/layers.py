@@ -71,11 +71,14 @@ class Linear(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul. With tensor
+    parallelism (`tp`) `intermediate` is this rank's slice, and down's partial outputs are
+    summed over the ranks."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, act: str,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, tp=None) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias, dtype, device)
         self.down_proj = Linear(intermediate, hidden, bias, dtype, device)
@@ -86,9 +89,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
         if self.fused and self.silu:
-            return self.down_proj.forward(triton_ops.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj.forward(self.act(gate) * up)
+            out = self.down_proj.forward(triton_ops.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            out = self.down_proj.forward(self.act(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 _ACTIVATIONS = {

@@ -22,17 +22,24 @@ from .backends import triton_ops
 from .backends.base import AttentionBackend, AttentionMetadata
 from .layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary, empty_param
 from .model_config import ModelConfig
+from .parallel import SINGLE, Shard, TPGroup
 from .quantized_linear import Int4Linear, RowRoute
 
 
 class Attention(nn.Module):
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    """Self-attention over this rank's heads (all of them without tensor parallelism); with
+    it, o_proj's partial outputs are summed over the ranks."""
+
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = mc.num_heads
-        self.num_kv_heads = mc.num_kv_heads
+        shard = tp.heads(mc.num_heads, mc.num_kv_heads)
+        self.tp = tp if tp.size > 1 else None
+        self.num_heads = shard.q_count
+        self.num_kv_heads = shard.kv_count
         self.head_dim = mc.head_dim
-        self.q_size = mc.num_heads * mc.head_dim
-        self.kv_size = mc.num_kv_heads * mc.head_dim
+        self.q_size = self.num_heads * mc.head_dim
+        self.kv_size = self.num_kv_heads * mc.head_dim
         self.scale = (mc.query_pre_attn_scalar or mc.head_dim) ** -0.5
         self.qkv_proj = Linear(mc.hidden_size, self.q_size + 2 * self.kv_size, mc.qkv_bias,
                                dtype, device)
@@ -55,11 +62,11 @@ class Attention(nn.Module):
                                       self.head_dim, pool.k[layer], pool.v[layer],
                                       meta.write_slots, key_rope)
             out = backend.attend(q, layer, pool, meta, self.scale)
-            return self.o_proj.forward(out.reshape(-1, self.q_size))
+            return self.output(out)
         if key_rope is not None:
             q, k, v = self.qkv(x, cos, sin, key_rope)
             out = backend.forward(q, k, v, layer, pool, meta, self.scale)
-            return self.o_proj.forward(out.reshape(-1, self.q_size))
+            return self.output(out)
         qkv = self.qkv_proj.forward(x).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads:]
         if self.q_norm is None:
@@ -70,7 +77,12 @@ class Attention(nn.Module):
             q = apply_rotary(self.q_norm.forward(qkv[:, :heads]), cos, sin)
             k = apply_rotary(self.k_norm.forward(qkv[:, heads:heads + kv_heads]), cos, sin)
         out = backend.forward(q, k, v, layer, pool, meta, self.scale)
-        return self.o_proj.forward(out.reshape(-1, self.q_size))
+        return self.output(out)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of the heads' outputs [T, heads, d], summed over the ranks."""
+        out = self.o_proj.forward(out.reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             key_rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -85,11 +97,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(mc, dtype, device)
-        self.mlp = GatedMLP(mc.hidden_size, mc.intermediate_size, mc.mlp_bias, mc.hidden_act,
-                            dtype, device)
+        self.self_attn = Attention(mc, dtype, device, tp)
+        self.mlp = GatedMLP(mc.hidden_size, tp.share(mc.intermediate_size)[1], mc.mlp_bias,
+                            mc.hidden_act, dtype, device, tp if tp.size > 1 else None)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
         # The norm before the MLP (Llama's post_attention_layernorm, Gemma's
         # pre_feedforward_layernorm).
@@ -104,17 +117,21 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """The whole model. `forward` computes hidden states for every token but runs the final
     norm and LM head only on the rows in `logits_indices` (the last token of each sequence that
-    samples this step)."""
+    samples this step). With tensor parallelism (`tp`, model/parallel.py) each rank's model
+    holds its heads and MLP slice; `num_heads` / `num_kv_heads` are this rank's."""
 
     def __init__(self, mc: ModelConfig, max_len: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = mc
+        self.tp = tp
+        shard = tp.heads(mc.num_heads, mc.num_kv_heads)
+        self.num_heads, self.num_kv_heads = shard.q_count, shard.kv_count
         self.embed_tokens = nn.Parameter(
             torch.empty(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device),
             requires_grad=False,
         )
-        self.layers = nn.ModuleList(DecoderLayer(mc, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(mc, dtype, device, tp)
                                     for _ in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
         self.lm_head = (None if mc.tie_word_embeddings
@@ -251,44 +268,57 @@ class CausalLM(nn.Module):
             if attn.q_norm is not None:
                 attn.q_norm.fused = attn.k_norm.fused = norms
 
-    def weight_targets(self) -> Iterator[tuple[str, torch.Tensor, int, int]]:
-        """(HF checkpoint name, destination parameter, row offset, rows) for every weight."""
+    def weight_targets(self) -> Iterator[tuple[str, torch.Tensor, int, int, Shard | None]]:
+        """(HF checkpoint name, destination parameter, row offset, rows, shard) for every
+        weight; `shard`: the part of the checkpoint tensor this rank holds (None: all of it)."""
         mc = self.config
-        yield "model.embed_tokens.weight", self.embed_tokens, 0, mc.vocab_size
-        yield "model.norm.weight", self.norm.weight, 0, mc.hidden_size
+        yield "model.embed_tokens.weight", self.embed_tokens, 0, mc.vocab_size, None
+        yield "model.norm.weight", self.norm.weight, 0, mc.hidden_size, None
         if self.lm_head is not None:
-            yield "lm_head.weight", self.lm_head, 0, mc.vocab_size
-        q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
-        inter = mc.intermediate_size
+            yield "lm_head.weight", self.lm_head, 0, mc.vocab_size, None
+        d = mc.head_dim
+        heads = self.tp.heads(mc.num_heads, mc.num_kv_heads)
+        q, kv = heads.q_count * d, heads.kv_count * d
+        inter_start, inter = self.tp.share(mc.intermediate_size)
+        parallel = self.tp.size > 1
+        q_rows = Shard(0, heads.q_start * d, q) if parallel else None
+        kv_rows = Shard(0, heads.kv_start * d, kv) if parallel else None
+        q_cols = Shard(1, heads.q_start * d, q) if parallel else None
+        i_rows = Shard(0, inter_start, inter) if parallel else None
+        i_cols = Shard(1, inter_start, inter) if parallel else None
+        # A row-parallel layer's bias is added once, by rank 0, before the sum over ranks.
+        out_bias = Shard(0, 0, 0, zero=True) if self.tp.rank > 0 else None
+        norm = mc.hidden_size
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
             for suffix in ("weight", "bias") if mc.qkv_bias else ("weight",):
                 dest = getattr(attn.qkv_proj, suffix)
-                yield p + f"self_attn.q_proj.{suffix}", dest, 0, q
-                yield p + f"self_attn.k_proj.{suffix}", dest, q, kv
-                yield p + f"self_attn.v_proj.{suffix}", dest, q + kv, kv
-            yield p + "self_attn.o_proj.weight", attn.o_proj.weight, 0, mc.hidden_size
+                yield p + f"self_attn.q_proj.{suffix}", dest, 0, q, q_rows
+                yield p + f"self_attn.k_proj.{suffix}", dest, q, kv, kv_rows
+                yield p + f"self_attn.v_proj.{suffix}", dest, q + kv, kv, kv_rows
+            yield p + "self_attn.o_proj.weight", attn.o_proj.weight, 0, norm, q_cols
             if mc.o_bias:
-                yield p + "self_attn.o_proj.bias", attn.o_proj.bias, 0, mc.hidden_size
+                yield p + "self_attn.o_proj.bias", attn.o_proj.bias, 0, norm, out_bias
             if mc.qk_norm:
-                yield p + "self_attn.q_norm.weight", attn.q_norm.weight, 0, mc.head_dim
-                yield p + "self_attn.k_norm.weight", attn.k_norm.weight, 0, mc.head_dim
+                yield p + "self_attn.q_norm.weight", attn.q_norm.weight, 0, d, None
+                yield p + "self_attn.k_norm.weight", attn.k_norm.weight, 0, d, None
             mlp = layer.mlp
             for suffix in ("weight", "bias") if mc.mlp_bias else ("weight",):
                 gate_up = getattr(mlp.gate_up_proj, suffix)
-                yield p + f"mlp.gate_proj.{suffix}", gate_up, 0, inter
-                yield p + f"mlp.up_proj.{suffix}", gate_up, inter, inter
+                yield p + f"mlp.gate_proj.{suffix}", gate_up, 0, inter, i_rows
+                yield p + f"mlp.up_proj.{suffix}", gate_up, inter, inter, i_rows
                 down = getattr(mlp.down_proj, suffix)
-                yield p + f"mlp.down_proj.{suffix}", down, 0, mc.hidden_size
-            yield p + "input_layernorm.weight", layer.input_layernorm.weight, 0, mc.hidden_size
+                yield (p + f"mlp.down_proj.{suffix}", down, 0, norm,
+                       i_cols if suffix == "weight" else out_bias)
+            yield p + "input_layernorm.weight", layer.input_layernorm.weight, 0, norm, None
             if mc.sandwich_norms:  # HF's Gemma names
                 yield (p + "post_attention_layernorm.weight", layer.attn_output_norm.weight, 0,
-                       mc.hidden_size)
+                       norm, None)
                 yield (p + "pre_feedforward_layernorm.weight",
-                       layer.post_attention_layernorm.weight, 0, mc.hidden_size)
+                       layer.post_attention_layernorm.weight, 0, norm, None)
                 yield (p + "post_feedforward_layernorm.weight", layer.mlp_output_norm.weight,
-                       0, mc.hidden_size)
+                       0, norm, None)
             else:
                 yield (p + "post_attention_layernorm.weight",
-                       layer.post_attention_layernorm.weight, 0, mc.hidden_size)
+                       layer.post_attention_layernorm.weight, 0, norm, None)

@@ -24,6 +24,7 @@ from .int8_linear import GROUP_SIZE, Int8Linear, int8_supported
 from .layers import Linear
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .parallel import Shard
 from .quantized_linear import Int4Linear, RowRoute, int4_supported
 from .real_models import REAL_MODELS, real_model_file
 
@@ -185,8 +186,9 @@ def use_packed(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         return False
     packable = checkpoint.gguf is not None and any(
         packed_planes(t.type_id) for t in checkpoint.gguf.tensors)
-    if quantization is None:
-        return packable and device.type == "cpu" and config.dtype != "float32"
+    if quantization is None:  # one process's packed layers: not split across ranks
+        return (packable and device.type == "cpu" and config.dtype != "float32"
+                and config.tensor_parallel_size == 1)
     if checkpoint.gguf is None:
         raise ValueError(f"quantization='gguf' needs a GGUF checkpoint; {checkpoint.path!r} "
                          "is an HF directory")
@@ -240,8 +242,14 @@ def load_weights(model: CausalLM, checkpoint: Checkpoint, packed: bool = False,
     CPU (quantized_linear.py), `Int8Linear`s on CUDA (int8_linear.py; `int8` True: on any
     device, which on CPU runs the Triton kernels through Triton's interpreter, for tests)."""
     targets: dict[str, tuple[torch.Tensor | PackedLinear, int, int]] = {}
-    for name, dest, offset, rows in model.weight_targets():
+    shards: dict[str, Shard] = {}  # this rank's part of a tensor (tensor parallelism)
+    for name, dest, offset, rows, shard in model.weight_targets():
         targets[name] = (dest, offset, rows)
+        if shard is not None:
+            shards[name] = shard
+    if packed and shards:
+        raise ValueError("quantization='gguf' keeps one process's weights packed; with "
+                         "tensor_parallel_size > 1 use quantization='none'")
     if int8 is None:
         int8 = model.norm.weight.device.type == "cuda"
     layers_of = _packed_linears(model, checkpoint, targets, int8) if packed else {}
@@ -253,6 +261,8 @@ def load_weights(model: CausalLM, checkpoint: Checkpoint, packed: bool = False,
     plus_one = model.config.norm_plus_one
     for name, tensor in tensors:
         dest, offset, rows = targets[name]
+        if name in shards:
+            tensor = shards[name].take(tensor)
         if plus_one and name.endswith("norm.weight"):
             tensor = 1.0 + tensor.float()  # Gemma applies 1 + w, computed as HF does
         if isinstance(dest, PackedLinear):

@@ -77,7 +77,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.device = device = pool.kv.device
-        self.num_heads = model.config.num_heads
+        self.num_heads = model.num_heads  # this rank's (tensor parallelism)
         self.num_kv_heads = pool.k.shape[2]
         # One row per running sequence (max_num_seqs) plus the padding row.
         self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
@@ -98,6 +98,9 @@ class ModelRunner:
     def release(self, seq: SeqKV) -> None:
         """A sequence gave its slots back: its row of the slot table is free."""
         self.slot_table.release(seq)
+
+    def close(self) -> None:
+        """Nothing to stop (the tensor-parallel runner stops its workers)."""
 
     def capture_graphs(self) -> None:
         """(Re-)capture the CUDA graphs: after the pool's memory came back (`wake_up`), the

@@ -45,8 +45,11 @@ class SlotTable:
             return self.table[row, spans[0][0]:spans[0][1]]
         return torch.cat([self.table[row, a:b] for a, b in spans])
 
-    def sync(self, seqs: Iterable[SeqKV]) -> None:
-        """Give each sequence a row if it has none and copy its new entries to the device."""
+    def sync(self, seqs: Iterable[SeqKV], record: bool = False
+             ) -> list[tuple[int, int, list[int]]] | None:
+        """Give each sequence a row if it has none and copy its new entries to the device.
+        `record`: return them as (row, first entry, slots), for `apply` on another rank's
+        table (tensor parallelism)."""
         updates: list[tuple[SeqKV, int, int]] = []  # (sequence, first new entry, end)
         for seq in seqs:
             n = len(seq.slots)
@@ -62,7 +65,7 @@ class SlotTable:
                 updates.append((seq, seq.num_mirrored, n))
                 seq.num_mirrored = n
         if not updates:
-            return
+            return [] if record else None
         # A few long runs (new requests' lists) are copied into their rows' slices: one copy
         # each. Everything else (a decode step's one entry per sequence, or many new requests
         # at once, where a copy per run would cost more launches than it saves) is scattered
@@ -90,6 +93,14 @@ class SlotTable:
             at += end - start
         if where:
             self.table.view(-1)[update[len(vals):]] = update[count:len(vals)].to(torch.int32)
+        if record:
+            return [(seq.row, start, seq.slots[start:end]) for seq, start, end in updates]
+        return None
+
+    def apply(self, entries: list[tuple[int, int, list[int]]]) -> None:
+        """Entries another rank's table recorded (`sync(record=True)`), into the same rows."""
+        for row, start, slots in entries:
+            self.table[row, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
 
     def release(self, seq: SeqKV) -> None:
         if seq.row != PAD_ROW:

@@ -133,7 +133,7 @@ class ProbeWork:
             batch = AttentionBatch(
                 q_lens=[len(self.own_slots)],
                 kv_lens=[len(self.kv_slots) + len(self.own_slots)], q_starts=[0],
-                kv_indices=[entries], write_slots=own, num_heads=model.config.num_heads,
+                kv_indices=[entries], write_slots=own, num_heads=model.num_heads,
                 num_kv_heads=pool.k.shape[2], rows=[0], prefix=[False])
             if rows:
                 batch.turns, batch.turn_table = [rows], table
@@ -155,7 +155,6 @@ class ProbeWork:
         each entry's position (None: no sliding window). `step` (a `query` probe with its
         own slots): the layers outside the check layers run as the backend's step."""
         device = pool.k.device
-        n = t1 - t0
         p0, p1 = t0 - self.skip, t1 - self.skip  # blend: token_ids begin at `skip`
         positions = torch.tensor(self.positions[p0:p1], device=device)
         key_positions = torch.tensor(self.key_positions[p0:p1], device=device)
@@ -191,7 +190,11 @@ class ProbeWork:
                     fresh = torch.cat([k, v], dim=1).float()
                     cached = torch.cat([keys[first + t0:first + t1],
                                         values[first + t0:first + t1]], dim=1).float()
-                    into[i][t0:t1] = (fresh - cached).square().sum(dim=(1, 2)).sqrt().double()
+                    # Squares summed over every rank's KV heads (tensor parallelism), then
+                    # the root; a KV head held by several ranks scales every token's sum
+                    # alike, which the layer's normalization takes out.
+                    squares = (fresh - cached).square().sum(dim=(1, 2))
+                    into[i][t0:t1] = model.tp.all_reduce(squares).sqrt().double()
                 if i == final:
                     return None  # the deviation needs this layer's K/V only
             if rotation is not None:
@@ -201,11 +204,12 @@ class ProbeWork:
             weigh = (first, last) if not blend and i in check_layers else None
             out, weight = _attend(q, keys, values, attn.scale, weigh,
                                   near.get(model.windows[kind]))
-            if weight is not None:
+            if weight is not None:  # summed over every rank's heads
+                weight = model.tp.all_reduce(weight)
                 into.add_(weight / weight.sum().clamp_min(1e-30))
             if i == final:
                 return None
-            return attn.o_proj.forward(out.reshape(n, -1))
+            return attn.output(out)
 
         ids = torch.tensor(self.token_ids[p0:p1], device=device)
         model.run_layers(model.embed(ids), attend)

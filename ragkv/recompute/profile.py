@@ -71,6 +71,19 @@ def describe_settings(s: dict) -> str:
             + (f", check layers {','.join(map(str, layers))}" if layers else ""))
 
 
+def describe_default(s: dict) -> str:
+    """One line: the default layout of a RAG prompt, its recompute and where that came from
+    (`Engine.recompute_settings()`)."""
+    text = f"positions {s['position_strategy']}, chunk attention {s['chunk_attention']}"
+    if s["recompute"] == "none":
+        return text + ", no recompute (exact chunk reuse)"
+    where = {"profile": f"calibrated profile {s['profile'] or ''}",
+             "model-agnostic": "no calibrated profile for this model: the model-agnostic "
+                               "default",
+             "config": "as configured"}[s["source"]]
+    return text + f", recompute {describe_settings(s)} ({where})"
+
+
 def profile_dir() -> Path:
     """Where `ragkv calibrate` writes profiles and engines look first: $RAGKV_PROFILE_DIR,
     else $RAGKV_CACHE_DIR/profiles."""

