@@ -118,8 +118,8 @@ def test_settings_two_ranks_cannot_take_are_refused(checkpoint):
     path = checkpoint("gemma3")  # 4 query heads, 1 KV head
     with pytest.raises(ValueError, match="cannot split 4 query heads"):
         LLM(path, tensor_parallel_size=3, kv_cache_tokens=512)
-    with pytest.raises(ValueError, match="chunk_store"):
-        LLM(path, tensor_parallel_size=2, chunk_store="host:64MiB")
+    with pytest.raises(ValueError, match="quantization='gguf'"):
+        LLM(path, tensor_parallel_size=2, quantization="gguf")
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         LLM(path, tensor_parallel_size=0)
     with tp_llm(path) as llm:
@@ -191,3 +191,39 @@ def test_smollm2_on_two_ranks_answers_as_on_one():
         for tid, lp in two.outputs[0].logprobs[0].items():
             assert abs(lp.logprob - first[tid].logprob) < 1e-4
     assert outs[1][2].num_cached_tokens > 0  # the warm run reused the documents
+
+
+@pytest.mark.parametrize("tier", ["disk", "redis"])
+def test_one_store_serves_engines_of_any_tp_size(tier, checkpoint, hf_model, tmp_path,
+                                                 request):
+    """Chunks a TP=1 engine stored are hits in a TP=2 engine and the reverse, through the
+    disk and the Redis tier: an entry holds every KV head whatever wrote it (rank 0 gathers
+    them), and each rank loads its own. Outputs match the references either way."""
+    if tier == "redis":
+        spec = request.getfixturevalue("redis_server").url
+    else:
+        spec = f"disk:{tmp_path / 'chunks'}:64MiB"
+    # Three KV heads split 2 + 1 (disk), one KV head held by both ranks (Redis).
+    path = checkpoint("llama_gqa3" if tier == "disk" else "gemma3")
+    hf = hf_model(path)
+    S = random_prompt(9, seed=400)
+    A, B, C, D = (random_prompt(n, seed=401 + n) for n in (14, 22, 17, 11))
+    Q1, Q2 = random_prompt(5, seed=402), random_prompt(6, seed=403)
+    one = make_llm(path, kv_cache_tokens=2048, chunk_store=spec)
+    run(one, hf, [rag(S, [A, B], Q1)], ["MM"])
+    one.engine.flush_chunk_store()
+    one.engine.close()
+    with tp_llm(path, chunk_store=spec) as two:
+        # Stored by one process: hits on two ranks; C is computed here and stored.
+        run(two, hf, [rag(S, [B, A, C], Q2)], ["HHM"])
+        assert two.get_chunk_cache_stats().store_hits == 2
+        two.engine.flush_chunk_store()
+        stored = two.engine.chunk_metas(rag(S, [C], Q1))
+        assert stored[0].shape == one.engine.chunk_metas(rag(S, [C], Q1))[0].shape
+    again = make_llm(path, kv_cache_tokens=2048, chunk_store=spec)
+    try:
+        # Stored by two ranks: a hit in one process, beside a fresh chunk.
+        run(again, hf, [rag(S, [C, D], Q1)], ["HM"])
+        assert again.get_chunk_cache_stats().store_hits == 1
+    finally:
+        again.engine.close()

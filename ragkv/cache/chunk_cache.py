@@ -227,7 +227,8 @@ class ChunkCache:
     def _write_through(self, entry: ChunkEntry) -> None:
         """Queue the entry's KV for the shared tiers. A full queue, or a copy that fails
         (pinned memory exhausted), costs only the sharing of this chunk: a dropped write."""
-        nbytes = len(entry) * self.pool.kv[:, :, 0].numel() * self.pool.kv.element_size()
+        layers, heads, dim = self.pool.entry_shape()
+        nbytes = len(entry) * 2 * layers * heads * dim * self.pool.dtype.itemsize
         if not self.store.has_room(nbytes):
             self.store.note_dropped()
             return
@@ -241,9 +242,8 @@ class ChunkCache:
         self.store.put(record)
 
     def meta(self, chunk: ChunkKey) -> ChunkMeta:
-        _, layers, _, heads, dim = self.pool.kv.shape
-        return ChunkMeta.describe(chunk.key, self.model, self.pool.kv.dtype, chunk.namespace,
-                                  chunk.system, chunk.tokens, (layers, heads, dim))
+        return ChunkMeta.describe(chunk.key, self.model, self.pool.dtype, chunk.namespace,
+                                  chunk.system, chunk.tokens, self.pool.entry_shape())
 
     def _record(self, entry: ChunkEntry) -> ChunkRecord:
         kv, ready = self.pool.read(entry.slots)

@@ -142,6 +142,15 @@ class KVPool:
         write it: they call this after."""
         self.kv[:, :, 0].zero_()
 
+    def entry_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of a chunk entry read from or written to the pool."""
+        _, layers, _, heads, dim = self.kv.shape
+        return layers, heads, dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv.dtype
+
     def read(self, slots: list[int]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """The K/V of `slots` as a CPU tensor [2, layers, len(slots), kv_heads, head_dim], and
         None, or on CUDA an event after which it holds them: the copy goes into pinned memory

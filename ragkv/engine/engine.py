@@ -117,7 +117,7 @@ class Engine:
         self.chunk_cache = None
         if config.enable_chunk_cache:
             self.chunk_cache = ChunkCache(SlotAllocator(size.general_end, size.num_slots),
-                                          self.chunk_store, self.pool, weights_id)
+                                          self.chunk_store, self.runner.chunk_pool, weights_id)
         # Chunks offloaded by sleep(), restored into the pool by wake_up().
         self._asleep: list | None = None
         debug = config.debug_checks or os.environ.get("RAGKV_DEBUG_CHECKS", "") == "1"

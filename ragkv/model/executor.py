@@ -9,8 +9,13 @@ rows), the works and the recompute probes. Then every rank runs the same forward
 parallel layers' all-reduces keeping them in step, and rank 0 alone samples from the logits.
 Collectives go through torch.distributed: gloo on CPU, NCCL on CUDA (one GPU per rank).
 
-A worker that dies takes its connection with it: rank 0's next collective fails, and the
-engine with it.
+The chunk cache and its store see whole entries, every KV head, in the format a single
+process stores (so replicas of any TP size share one store): rank 0's `ShardedPool` gathers
+an entry's heads from the ranks to store it, and sends a loaded entry to every rank, each
+writing its own heads. Both happen on the engine thread between steps, in the same order on
+every rank as the steps themselves.
+
+A worker that dies is found before the next step: the engine raises `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
 from .llama import CausalLM
 from .loader import Checkpoint, load_weights
-from .parallel import TPGroup
+from .parallel import HeadShard, TPGroup, head_shard
 from .runner import ModelOutput, ModelRunner
 
 logger = logging.getLogger("ragkv")
@@ -105,6 +110,56 @@ def _sent(work) -> _SentWork:
                      work.key_positions)
 
 
+class ShardedPool:
+    """Rank 0's KV pool as the chunk cache sees it under tensor parallelism: entries of every
+    KV head, gathered from the ranks that hold them (`read`) or spread to them (`write`)."""
+
+    def __init__(self, local: KVPool, shards: list[HeadShard], num_kv_heads: int) -> None:
+        self.local = local
+        self.shards = shards
+        self.num_kv_heads = num_kv_heads
+
+    def entry_shape(self) -> tuple[int, int, int]:
+        layers, _, dim = self.local.entry_shape()
+        return layers, self.num_kv_heads, dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def read(self, slots: list[int]) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        _broadcast(("read", slots))
+        parts = [None] * len(self.shards)
+        dist.gather_object(_read_own(self.local, slots), parts, dst=0)
+        layers, heads, dim = self.entry_shape()
+        kv = torch.empty(2, layers, len(slots), heads, dim, dtype=self.dtype)
+        for shard, part in zip(self.shards, parts, strict=True):
+            kv[:, :, :, shard.kv_start:shard.kv_start + shard.kv_count] = part
+        return kv, None
+
+    def write(self, slots: list[int], kv: torch.Tensor, first_position: int) -> None:
+        kv = kv.cpu()
+        _broadcast(("write", slots, kv, first_position))
+        _write_own(self.local, self.shards[0], slots, kv, first_position)
+
+
+def _read_own(pool: KVPool, slots: list[int]) -> torch.Tensor:
+    """This rank's heads of `slots`, on the CPU."""
+    kv, ready = pool.read(slots)
+    if ready is not None:
+        ready.synchronize()
+    return kv
+
+
+def _write_own(pool: KVPool, shard: HeadShard, slots: list[int], kv: torch.Tensor,
+               first_position: int) -> None:
+    """This rank's heads of a whole entry `kv` into `slots`."""
+    pool.write(slots, kv[:, :, :, shard.kv_start:shard.kv_start + shard.kv_count],
+               first_position)
+
+
 class TPRunner:
     """Rank 0's runner under tensor parallelism: `ModelRunner`'s interface, each step sent
     to the workers first. `local` is rank 0's own runner (its slot table is the one whose
@@ -114,6 +169,11 @@ class TPRunner:
         self.local = local
         self.workers = workers
         self.closed = False
+        mc = local.model.config
+        size = len(workers) + 1
+        self.chunk_pool = ShardedPool(
+            local.pool, [head_shard(mc.num_heads, mc.num_kv_heads, r, size) for r in range(size)],
+            mc.num_kv_heads)
 
     @property
     def slot_table(self):
@@ -214,13 +274,20 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
         pool = KVPool(mc.num_layers, spec.num_slots, model.num_kv_heads, mc.head_dim,
                       spec.dtype, device)
         runner = ModelRunner(model, pool, spec.config, spec.max_model_len)
+        shard = head_shard(mc.num_heads, mc.num_kv_heads, rank, size)
         while True:
             message = _broadcast(None)
-            if message[0] == "stop":
+            kind = message[0]
+            if kind == "stop":
                 break
-            _, entries, works, probes = message
-            runner.slot_table.apply(entries)
-            runner.execute(works, probes)
+            if kind == "step":
+                _, entries, works, probes = message
+                runner.slot_table.apply(entries)
+                runner.execute(works, probes)
+            elif kind == "read":
+                dist.gather_object(_read_own(pool, message[1]), None, dst=0)
+            elif kind == "write":
+                _write_own(pool, shard, *message[1:])
     finally:
         _destroy_group()
 

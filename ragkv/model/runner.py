@@ -102,6 +102,11 @@ class ModelRunner:
     def close(self) -> None:
         """Nothing to stop (the tensor-parallel runner stops its workers)."""
 
+    @property
+    def chunk_pool(self) -> KVPool:
+        """The pool as the chunk cache reads and writes whole entries (every KV head)."""
+        return self.pool
+
     def capture_graphs(self) -> None:
         """(Re-)capture the CUDA graphs: after the pool's memory came back (`wake_up`), the
         old ones address freed memory."""
