@@ -9,7 +9,9 @@ ranks (Gemma 3's single KV head), biases of row-parallel layers added once."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -122,12 +124,21 @@ def test_settings_two_ranks_cannot_take_are_refused(checkpoint):
         LLM(path, tensor_parallel_size=2, quantization="gguf")
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         LLM(path, tensor_parallel_size=0)
-    with tp_llm(path) as llm:
-        with pytest.raises(RuntimeError, match="tensor_parallel_size"):
-            llm.engine.sleep()
-        # The engine keeps serving after a refusal.
-        assert len(llm.generate([plain(random_prompt(5, seed=1))], GREEDY,
-                                use_tqdm=False)[0].outputs[0].token_ids) > 0
+
+
+def test_sleep_and_wake_up_on_two_ranks(checkpoint, hf_model):
+    """sleep() frees every rank's KV pool (cached chunks offloaded whole, every KV head);
+    wake_up() brings them back to every rank: the warm request hits them, exactly."""
+    path = checkpoint("llama_gqa3")
+    hf = hf_model(path)
+    S = random_prompt(9, seed=500)
+    A, B = random_prompt(14, seed=501), random_prompt(22, seed=502)
+    with tp_llm(path, chunk_cache_tokens=512) as llm:
+        run(llm, hf, [rag(S, [A, B], random_prompt(5, seed=503))], ["MM"])
+        llm.engine.sleep()
+        assert llm.engine.pool.released and llm.engine.is_sleeping()
+        llm.engine.wake_up()
+        run(llm, hf, [rag(S, [B, A], random_prompt(4, seed=504))], ["HH"])
 
 
 def test_a_dead_worker_fails_the_engine_clearly(checkpoint):
@@ -227,3 +238,28 @@ def test_one_store_serves_engines_of_any_tp_size(tier, checkpoint, hf_model, tmp
         assert again.get_chunk_cache_stats().store_hits == 1
     finally:
         again.engine.close()
+
+
+def test_a_server_whose_worker_dies_answers_503_and_exits_non_zero(tmp_path):
+    """`ragkv serve -tp 2`: a worker rank killed, the next request gets a 503 (no hang) and
+    the server process ends with a non-zero status."""
+    import pathlib
+
+    import httpx
+    from conftest import server_process
+
+    body = {"model": "builtin:tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    with server_process("builtin:tiny", "-tp", "2", "--kv-cache-tokens", "1024",
+                        log_path=str(tmp_path / "server.log")) as (base, proc):
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        children = pathlib.Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text()
+        workers = [int(pid) for pid in children.split()
+                   if "spawn_main" in pathlib.Path(f"/proc/{pid}/cmdline").read_text()]
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        start = time.monotonic()
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 503, response.text
+        assert "rank" in response.text
+        assert proc.wait(timeout=30) != 0
+        assert time.monotonic() - start < 30

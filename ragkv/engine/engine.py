@@ -254,8 +254,6 @@ class Engine:
         `wake_up()`, the prefix cache is dropped. Refused while requests are unfinished."""
         if self._asleep is not None:
             return
-        if self.config.tensor_parallel_size > 1:
-            raise RuntimeError("sleep() is one process's: not with tensor_parallel_size > 1")
         if self.scheduler.has_unfinished():
             raise RuntimeError("sleep() with unfinished requests: let them finish or abort "
                                "them first")
@@ -263,7 +261,7 @@ class Engine:
         self.reset_prefix_cache()
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the offload copies have landed before the pool goes
-        self.pool.release_memory()
+        self.runner.release_memory()
         logger.info("asleep: KV pool freed, %d cached chunks offloaded to host memory",
                     len(self._asleep))
 
@@ -271,8 +269,7 @@ class Engine:
         """Allocate the KV pool again and put the chunks `sleep()` offloaded back into it."""
         if self._asleep is None:
             return
-        self.pool.restore_memory()
-        self.runner.capture_graphs()
+        self.runner.restore_memory()
         offloaded, self._asleep = self._asleep, None
         for entry, record in offloaded:
             self.chunk_cache.insert(entry.id, record.kv)

@@ -71,13 +71,23 @@ def make_runner(model: CausalLM, pool: KVPool, spec: RankSpec) -> ModelRunner | 
     size = spec.config.tensor_parallel_size
     if size == 1:
         return ModelRunner(model, pool, spec.config, spec.max_model_len)
-    workers = start_workers(spec, pool.kv.device)
+    threads = torch.get_num_threads()
+    if pool.kv.device.type == "cpu":
+        # The ranks share the cores: each takes its part, as the workers do (on this 2-core
+        # machine rank 0 at 2 threads made a decode step 1.3x slower). Back at close().
+        torch.set_num_threads(_threads_per_rank(size))
+    try:
+        workers = start_workers(spec, pool.kv.device)
+    except BaseException:
+        torch.set_num_threads(threads)
+        raise
     try:
         local = ModelRunner(model, pool, spec.config, spec.max_model_len)
     except BaseException:
         TPRunner.stop(workers)
+        torch.set_num_threads(threads)
         raise
-    return TPRunner(local, workers)
+    return TPRunner(local, workers, threads)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -165,9 +175,10 @@ class TPRunner:
     to the workers first. `local` is rank 0's own runner (its slot table is the one whose
     rows the engine's sequences hold)."""
 
-    def __init__(self, local: ModelRunner, workers: list) -> None:
+    def __init__(self, local: ModelRunner, workers: list, threads: int) -> None:
         self.local = local
         self.workers = workers
+        self.threads = threads  # rank 0's torch threads before, restored by close()
         self.closed = False
         mc = local.model.config
         size = len(workers) + 1
@@ -190,8 +201,13 @@ class TPRunner:
     def release(self, seq: SeqKV) -> None:
         self.local.release(seq)
 
-    def capture_graphs(self) -> None:
-        self.local.capture_graphs()
+    def release_memory(self) -> None:
+        _broadcast(("release",))
+        self.local.release_memory()
+
+    def restore_memory(self) -> None:
+        _broadcast(("restore",))
+        self.local.restore_memory()
 
     def execute(self, works: Sequence, probes: Sequence = ()) -> ModelOutput:
         self._check_workers()
@@ -212,7 +228,10 @@ class TPRunner:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.stop(self.workers)
+            try:
+                self.stop(self.workers)
+            finally:
+                torch.set_num_threads(self.threads)
 
     @staticmethod
     def stop(workers: list) -> None:
@@ -261,7 +280,7 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
     import torch.distributed as dist
 
     size = spec.config.tensor_parallel_size
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    torch.set_num_threads(_threads_per_rank(size))
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -288,6 +307,10 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
                 dist.gather_object(_read_own(pool, message[1]), None, dst=0)
             elif kind == "write":
                 _write_own(pool, shard, *message[1:])
+            elif kind == "release":
+                runner.release_memory()
+            elif kind == "restore":
+                runner.restore_memory()
     finally:
         _destroy_group()
 
@@ -299,6 +322,10 @@ def _broadcast(message):
     box = [message]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _threads_per_rank(size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // size)
 
 
 def _backend(device: torch.device) -> str:

@@ -107,6 +107,16 @@ class ModelRunner:
         """The pool as the chunk cache reads and writes whole entries (every KV head)."""
         return self.pool
 
+    def release_memory(self) -> None:
+        """Free the KV pool's memory (`Engine.sleep`)."""
+        self.pool.release_memory()
+
+    def restore_memory(self) -> None:
+        """Allocate the pool again and re-capture the CUDA graphs, which addressed the freed
+        memory (`Engine.wake_up`)."""
+        self.pool.restore_memory()
+        self.capture_graphs()
+
     def capture_graphs(self) -> None:
         """(Re-)capture the CUDA graphs: after the pool's memory came back (`wake_up`), the
         old ones address freed memory."""

@@ -35,7 +35,8 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
     http: list = []  # the uvicorn server, once built
 
     def stop_serving(error: BaseException) -> None:
-        # The engine cannot go on (its state is inconsistent): requests in flight and queued
+        # The engine cannot go on (a tensor-parallel rank died, or its state is
+        # inconsistent: EngineDeadError): requests in flight and queued
         # get a 503 (and /health), the server stops taking connections, lets open ones finish
         # for up to 10 s, and the process ends with a non-zero status so a supervisor
         # restarts it.
@@ -67,7 +68,7 @@ def serve(config: EngineConfig, server: ServerConfig, host: str = "127.0.0.1",
         engine.close()  # pending chunk-store writes land before the process exits
         gc.unfreeze()  # so that they are freed at exit (nanobind reports those that are not)
     if async_engine.fatal is not None:
-        raise SystemExit(f"ragkv serve: stopped: the engine's state is inconsistent "
+        raise SystemExit(f"ragkv serve: stopped: the engine cannot go on "
                          f"({async_engine.fatal})")
     if not http[0].started:
         raise SystemExit(3)  # uvicorn's start-up failure (the port is taken, say)
