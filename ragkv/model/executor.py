@@ -44,6 +44,9 @@ logger = logging.getLogger("ragkv")
 # How long a rank waits for the others in a collective (a dead rank fails it sooner: its
 # connection closes).
 _TIMEOUT = datetime.timedelta(minutes=10)
+# The group of the control messages (steps' plans, chunk entries: host objects): gloo beside
+# NCCL on GPUs, so they never pass through a device; the default group on CPU.
+_control = None
 
 
 class EngineDeadError(RuntimeError):
@@ -142,7 +145,7 @@ class ShardedPool:
 
         _broadcast(("read", slots))
         parts = [None] * len(self.shards)
-        dist.gather_object(_read_own(self.local, slots), parts, dst=0)
+        dist.gather_object(_read_own(self.local, slots), parts, dst=0, group=_control)
         layers, heads, dim = self.entry_shape()
         kv = torch.empty(2, layers, len(slots), heads, dim, dtype=self.dtype)
         for shard, part in zip(self.shards, parts, strict=True):
@@ -215,8 +218,19 @@ class TPRunner:
         entries = self.local.slot_table.sync(kvs.values(), record=True)
         # A probe's request stays here: the workers need its fields, not the engine's request.
         sent = [dataclasses.replace(p, request=None) for p in probes]
-        _broadcast(("step", entries, [_sent(w) for w in works], sent))
-        return self.local.execute(works, probes)
+        try:
+            _broadcast(("step", entries, [_sent(w) for w in works], sent))
+            result = self.local.execute(works, probes)
+        except Exception as e:
+            # Whatever stopped rank 0's step (a worker gone mid-collective, an error here)
+            # left the other ranks elsewhere in it: no later step can run in step with them.
+            raise EngineDeadError(f"tensor parallelism: a step failed on the ranks "
+                                  f"({type(e).__name__}: {e})") from e
+        failed = [s for s in result.probe_scores if isinstance(s, Exception)]
+        if failed:  # stopped midway on rank 0 alone, as above
+            raise EngineDeadError(f"tensor parallelism: a recompute probe failed on rank 0 "
+                                  f"({type(failed[0]).__name__}: {failed[0]})")
+        return result
 
     def _check_workers(self) -> None:
         dead = [p for p in self.workers if not p.is_alive()]
@@ -265,8 +279,7 @@ def start_workers(spec: RankSpec, device: torch.device) -> list:
     for p in workers:
         p.start()
     try:
-        dist.init_process_group(_backend(device), init_method=address, rank=0,
-                                world_size=size, timeout=_TIMEOUT)
+        _join(device, address, 0, size)
     except BaseException:
         for p in workers:
             p.kill()
@@ -284,8 +297,7 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
     device = rank_device(device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(_backend(device), init_method=address, rank=rank,
-                            world_size=size, timeout=_TIMEOUT)
+    _join(device, address, rank, size)
     try:
         mc = spec.checkpoint.model_config
         model = CausalLM(mc, spec.max_len, spec.dtype, device, TPGroup(rank, size)).eval()
@@ -293,6 +305,7 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
         pool = KVPool(mc.num_layers, spec.num_slots, model.num_kv_heads, mc.head_dim,
                       spec.dtype, device)
         runner = ModelRunner(model, pool, spec.config, spec.max_model_len)
+        runner.returns_logits = False
         shard = head_shard(mc.num_heads, mc.num_kv_heads, rank, size)
         while True:
             message = _broadcast(None)
@@ -304,7 +317,7 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
                 runner.slot_table.apply(entries)
                 runner.execute(works, probes)
             elif kind == "read":
-                dist.gather_object(_read_own(pool, message[1]), None, dst=0)
+                dist.gather_object(_read_own(pool, message[1]), None, dst=0, group=_control)
             elif kind == "write":
                 _write_own(pool, shard, *message[1:])
             elif kind == "release":
@@ -320,8 +333,18 @@ def _broadcast(message):
     import torch.distributed as dist
 
     box = [message]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_control)
     return box[0]
+
+
+def _join(device: torch.device, address: str, rank: int, size: int) -> None:
+    """Join the process group (and, on GPUs, the control messages' gloo group) as `rank`."""
+    import torch.distributed as dist
+
+    global _control
+    dist.init_process_group(_backend(device), init_method=address, rank=rank,
+                            world_size=size, timeout=_TIMEOUT)
+    _control = dist.new_group(backend="gloo", timeout=_TIMEOUT) if device.type == "cuda" else None
 
 
 def _threads_per_rank(size: int) -> int:
@@ -335,6 +358,8 @@ def _backend(device: torch.device) -> str:
 def _destroy_group() -> None:
     import torch.distributed as dist
 
+    global _control
+    _control = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from ..engine.engine import Engine
+from ..engine.scheduler import InvariantViolation
 from ..inputs.prompt import ChunkedPrompt
 from ..model.executor import EngineDeadError
 from ..outputs import RequestOutput
@@ -237,7 +238,9 @@ class AsyncEngine:
                 logger.exception("engine loop error: failing the requests in flight")
                 self._reset()
         reason = "the engine loop stopped"
-        if self.fatal is not None:
+        if isinstance(self.fatal, InvariantViolation):
+            reason = f"the engine stopped: its state is inconsistent ({self.fatal})"
+        elif self.fatal is not None:
             reason = f"the engine stopped: {self.fatal}"
         self._close_streams(EngineDeadError(reason))
         self._refuse_queued(EngineDeadError(reason))
