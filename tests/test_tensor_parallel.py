@@ -263,3 +263,20 @@ def test_a_server_whose_worker_dies_answers_503_and_exits_non_zero(tmp_path):
         assert "rank" in response.text
         assert proc.wait(timeout=30) != 0
         assert time.monotonic() - start < 30
+
+
+def test_an_engine_dropped_unclosed_stops_its_workers(checkpoint):
+    """An LLM that goes out of scope without close(): its workers stop and the process group
+    goes with it, so another tensor-parallel engine can start in the same process."""
+    import gc
+
+    path = checkpoint("llama")
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_tokens=1024)
+    workers = list(llm.engine.runner.workers)
+    want = llm.generate([plain(random_prompt(6, seed=9))], GREEDY, use_tqdm=False)
+    del llm
+    gc.collect()
+    assert not any(p.is_alive() for p in workers)
+    with tp_llm(path) as again:
+        got = again.generate([plain(random_prompt(6, seed=9))], GREEDY, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids

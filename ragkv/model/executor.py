@@ -26,6 +26,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,8 +182,10 @@ class TPRunner:
     def __init__(self, local: ModelRunner, workers: list, threads: int) -> None:
         self.local = local
         self.workers = workers
-        self.threads = threads  # rank 0's torch threads before, restored by close()
-        self.closed = False
+        # close(), or the runner's collection (an engine dropped unclosed): the workers stop,
+        # the process group goes (another engine may form one), rank 0's torch threads are
+        # what they were.
+        self._finalizer = weakref.finalize(self, _shut_down, workers, threads)
         mc = local.model.config
         size = len(workers) + 1
         self.chunk_pool = ShardedPool(
@@ -240,12 +243,11 @@ class TPRunner:
                                f"(exit codes {[p.exitcode for p in dead]}); the engine stops")
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            try:
-                self.stop(self.workers)
-            finally:
-                torch.set_num_threads(self.threads)
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     @staticmethod
     def stop(workers: list) -> None:
@@ -259,6 +261,13 @@ class TPRunner:
                 if p.is_alive():
                     p.kill()
             _destroy_group()
+
+
+def _shut_down(workers: list, threads: int) -> None:
+    try:
+        TPRunner.stop(workers)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def start_workers(spec: RankSpec, device: torch.device) -> list:
