@@ -187,6 +187,22 @@ def _indexed(spec: dict, rng: random.Random, device: str) -> dict:
     return spec, total
 
 
+def _recompute_step(case: int, device: str, splits, pack, seed: int, monkeypatch):
+    """CASES[case] as a step with queries at given entries and re-positioned ranges, the
+    extend launch's KV splits and head packing forced where given: (heads, kv heads, head
+    dim), the rng, the batch spec, its token count, the turns and their table."""
+    heads, kv_heads, head_dim, kinds = CASES[case]
+    if splits is not None:
+        monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
+    _force_packing(monkeypatch, pack)
+    rng = random.Random(seed + case)
+    spec, _ = _batch(rng, 2048, 512, kinds, device)
+    spec, total = _indexed(spec, rng, device)
+    turns = _repositioned(spec, rng)
+    table = _turn_table([7, -3, 250, 1000], head_dim, device)
+    return (heads, kv_heads, head_dim), rng, spec, total, turns, table
+
+
 @pytest.mark.parametrize("splits,pack", [(None, None), (3, False), (3, True), (1, True)])
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if CUDA else []))
 @pytest.mark.parametrize("device", DEVICES)
@@ -198,21 +214,14 @@ def test_kernels_turn_re_positioned_keys_and_take_query_entries(case: int, devic
     of their list (selective recompute) against the torch backend, which turns the queries
     instead and masks explicitly: decode rows, extend rows, KV splits, packed heads, shared
     chunk slots."""
-    heads, kv_heads, head_dim, kinds = CASES[case]
-    if splits is not None:
-        monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
-    _force_packing(monkeypatch, pack)
-    rng = random.Random(100 + case)
-    spec, _ = _batch(rng, 2048, 512, kinds, device)
-    spec, total = _indexed(spec, rng, device)
-    turns = _repositioned(spec, rng)
-    table = _turn_table([7, -3, 250, 1000], head_dim, device)
-    meta = _compare_backends(spec, total, (heads, kv_heads, head_dim), dtype, device, seed=case,
-                             turns=turns, turn_table=table)
+    shape, rng, spec, total, turns, table = _recompute_step(case, device, splits, pack, 100,
+                                                           monkeypatch)
+    meta = _compare_backends(spec, total, shape, dtype, device, seed=case, turns=turns,
+                             turn_table=table)
     # The kernels took them (no torch fallback is left in the Triton backend).
     state = meta.state
     decode = [i for i, q in enumerate(spec["q_lens"]) if q == 1 and spec["prefix"][i]]
-    extend = [i for i in range(len(kinds)) if i not in decode]
+    extend = [i for i in range(len(spec["q_lens"])) if i not in decode]
     if any(turns[i] for i in decode):
         assert state.decode.turns is not None
     if any(turns[i] for i in extend):
@@ -259,17 +268,10 @@ def test_kernels_apply_sliding_windows(case: int, device: str, splits, pack, ord
     the torch backend: decode and extend rows, re-positioned keys, query entries, KV splits
     and packed heads; positions in list order (a window over a prompt) and scattered (blocks
     out of every row's window are skipped, rows that see nothing in a KV slice)."""
-    heads, kv_heads, head_dim, kinds = CASES[case]
-    if splits is not None:
-        monkeypatch.setattr(triton_attention, "extend_splits", lambda *a: splits)
-    _force_packing(monkeypatch, pack)
-    rng = random.Random(200 + case)
-    spec, _ = _batch(rng, 2048, 512, kinds, device)
-    spec, total = _indexed(spec, rng, device)
-    turns = _repositioned(spec, rng)
-    table = _turn_table([7, -3, 250, 1000], head_dim, device)
+    shape, rng, spec, total, turns, table = _recompute_step(case, device, splits, pack, 200,
+                                                           monkeypatch)
     window, positions = _windowed(spec, turns, table, rng, 24, ordered, device)
-    meta = _compare_backends(spec, total, (heads, kv_heads, head_dim), torch.float32, device,
+    meta = _compare_backends(spec, total, shape, torch.float32, device,
                              seed=case, slot_positions=positions, turns=turns,
                              turn_table=table, **window)
     state = meta.state
