@@ -208,9 +208,6 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got "
                              f"{self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
-            raise ValueError("tensor_parallel_size > 1 does not yet take quantization='gguf' "
-                             "(packed layers are one process's); use quantization='none'")
         if self.quantization not in (None, "gguf", "none"):
             raise ValueError(f"quantization must be 'gguf', 'none' or None (auto), got "
                              f"{self.quantization!r}")

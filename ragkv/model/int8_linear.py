@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .backends import triton_quant
+from .parallel import group_columns
 
 GROUP_SIZE = triton_quant.GROUP_SIZE
 # Up to this many rows the fused kernels, above it dequantize + dense GEMM. On an H200, for the
@@ -53,6 +54,16 @@ class Int8Rows:
 
     def permute_rows(self, order: torch.Tensor) -> Int8Rows:
         return Int8Rows(self.q[order], self.scale[order], self.offset[order])
+
+    def narrow(self, dim: int, start: int, count: int) -> Int8Rows:
+        """Rows, or inputs in whole groups (dim 1): a rank's part (tensor parallelism)."""
+        if dim == 0:
+            end = start + count
+            return Int8Rows(self.q[start:end], self.scale[start:end], self.offset[start:end])
+        k = self.q.shape[1]
+        q, scale, offset = (group_columns(t, 1, k, start, count, GROUP_SIZE)
+                            for t in (self.q, self.scale, self.offset))
+        return Int8Rows(q, scale, offset)
 
 
 def int8_supported(in_features: int, device: torch.device) -> bool:

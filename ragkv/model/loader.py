@@ -186,9 +186,8 @@ def use_packed(config: EngineConfig, checkpoint: Checkpoint, device: torch.devic
         return False
     packable = checkpoint.gguf is not None and any(
         packed_planes(t.type_id) for t in checkpoint.gguf.tensors)
-    if quantization is None:  # one process's packed layers: not split across ranks
-        return (packable and device.type == "cpu" and config.dtype != "float32"
-                and config.tensor_parallel_size == 1)
+    if quantization is None:
+        return packable and device.type == "cpu" and config.dtype != "float32"
     if checkpoint.gguf is None:
         raise ValueError(f"quantization='gguf' needs a GGUF checkpoint; {checkpoint.path!r} "
                          "is an HF directory")
@@ -247,9 +246,6 @@ def load_weights(model: CausalLM, checkpoint: Checkpoint, packed: bool = False,
         targets[name] = (dest, offset, rows)
         if shard is not None:
             shards[name] = shard
-    if packed and shards:
-        raise ValueError("quantization='gguf' keeps one process's weights packed; with "
-                         "tensor_parallel_size > 1 use quantization='none'")
     if int8 is None:
         int8 = model.norm.weight.device.type == "cuda"
     layers_of = _packed_linears(model, checkpoint, targets, int8) if packed else {}

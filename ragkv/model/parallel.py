@@ -52,6 +52,19 @@ class Shard:
         return tensor.narrow(self.dim, self.start, self.count)
 
 
+def group_columns(t: torch.Tensor, planes: int, k: int, start: int, count: int,
+                  group: int) -> torch.Tensor:
+    """Inputs start .. start + count - 1 of every plane of `t`: a quantized weight's values
+    ([rows, planes * k]) or its per-group scales ([rows, planes * k / group]); a rank's part
+    of a row-parallel layer must be whole groups."""
+    if start % group or count % group:
+        raise ValueError(f"inputs {start}..{start + count - 1} of a quantized weight: a rank's "
+                         f"part must be whole groups of {group}")
+    per = t.shape[1] // planes
+    a, n = start * per // k, count * per // k
+    return torch.cat([t[:, p * per + a:p * per + a + n] for p in range(planes)], dim=1)
+
+
 def head_shard(num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadShard:
     """Rank `rank`'s heads out of `size` ranks (see the module docstring); ValueError where
     the heads cannot be split so."""

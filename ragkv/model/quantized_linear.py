@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .parallel import group_columns
+
 GROUP_SIZE = 32  # values per scale/zero pair (GGML's block, a K-quant's sub-block)
 BLOCK_ROWS = 64  # the packed layout interleaves rows in blocks of 64 (see `_unpacked`)
 _INNER_K_TILES = 2  # the packed layout's tiling along K (the kernel's innerKTiles)
@@ -92,6 +94,18 @@ class Int4Rows:
 
     def permute_rows(self, order: torch.Tensor) -> Int4Rows:
         return Int4Rows(self.q[order], self.scale[order], self.zero[order], self.planes)
+
+    def narrow(self, dim: int, start: int, count: int) -> Int4Rows:
+        """Rows start .. start + count - 1 (dim 0), or those inputs of every plane (dim 1,
+        whole groups): a rank's part of the weight (tensor parallelism)."""
+        if dim == 0:
+            end = start + count
+            return Int4Rows(self.q[start:end], self.scale[start:end], self.zero[start:end],
+                            self.planes)
+        k = self.q.shape[1] // self.planes
+        q, scale, zero = (group_columns(t, self.planes, k, start, count, GROUP_SIZE)
+                          for t in (self.q, self.scale, self.zero))
+        return Int4Rows(q, scale, zero, self.planes)
 
 
 def int4_supported(in_features: int, out_features: int, device: torch.device) -> bool:
