@@ -377,7 +377,8 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args.model, num_requests=args.num_requests, max_tokens=args.max_tokens,
-                    quantization=args.quantization)
+                    quantization=args.quantization,
+                    tensor_parallel_size=args.tensor_parallel_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -466,6 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quantization", "-q", default=None, choices=["gguf", "none"],
                       help="a GGUF file's quantized weights packed (gguf) or dequantized "
                            "(none); default: the engine's (packed on CPU)")
+    demo.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                      help="processes the model is split across (see ragkv serve)")
     demo.set_defaults(func=_demo)
 
     ev = sub.add_parser("eval", help="RAG answer quality of each mode against full prefill",

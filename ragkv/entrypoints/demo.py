@@ -62,7 +62,8 @@ def _found(text: str, expected: str) -> str:
 
 
 def run_demo(model: str | None = None, num_requests: int | None = None,
-             max_tokens: int = 24, quantization: str | None = None) -> int:
+             max_tokens: int = 24, quantization: str | None = None,
+             tensor_parallel_size: int = 1) -> int:
     if model is None:
         if real_model_available(REAL_MODEL):
             model = REAL_MODEL
@@ -76,7 +77,7 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
     else:
         print(f"Model {model}.\n")
     num_requests = num_requests or 2 * len(QUESTIONS)
-    llm = LLM(model, quantization=quantization)
+    llm = LLM(model, quantization=quantization, tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     packed = bool(llm.engine.weights.id_suffix)
     print(f"Weights: {llm.engine.weights.describe()}.")
@@ -140,8 +141,9 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
               f"{statistics.mean(exact[2]) * 1000:.1f} ms")
 
     print("\nChecking exactness: the same prompts with the chunk cache and prefix cache off...")
+    llm.engine.close()  # one tensor-parallel engine per process at a time
     reference = LLM(model, quantization=quantization, enable_chunk_cache=False,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, tensor_parallel_size=tensor_parallel_size)
     same = []
     for name, prompts, ids in (("default mode", [p for _, _, p in requests],
                                 [a[2] for a in answers]),
@@ -150,6 +152,7 @@ def run_demo(model: str | None = None, num_requests: int | None = None,
         same.append(sum(r.outputs[0].token_ids == got for r, got in zip(refs, ids,
                                                                          strict=True)))
         print(f"{name}: {same[-1]}/{len(ids)} answers identical token for token.")
+    reference.engine.close()
     if all(n == num_requests for n in same):
         return 0
     if packed:  # docs/quantization.md: close, not bit-exact
