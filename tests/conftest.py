@@ -31,24 +31,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_triton_interpreter() -> None:
-    """Triton's interpreter turns a loaded scalar (a 1-element array there) into a loop bound
-    with int(array), which NumPy >= 2.4 refuses for arrays of one dimension."""
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_triton_interpreter()
+    # Its import makes Triton's interpreter work with NumPy >= 2.4 (_patch_interpreter),
+    # before any test's kernels (the quantized ones included) run.
+    import ragkv.model.backends.triton_kernels  # noqa: F401
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB = 4096

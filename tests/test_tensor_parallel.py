@@ -66,6 +66,21 @@ def test_rag_scenarios_on_two_ranks_match_reference(family, checkpoint, hf_model
         llm.check_integrity()
 
 
+def test_the_triton_backend_on_two_ranks(checkpoint, hf_model):
+    """The Triton kernels on both ranks (interpreted without a GPU; compiled, with CUDA
+    graphs, on GPUs): sliding windows over a KV head both ranks hold, re-positioned keys."""
+    pytest.importorskip("triton")
+    path = checkpoint("gemma3")
+    with tp_llm(path, chunk_cache_tokens=512, attention_backend="triton") as llm:
+        assert llm.engine.runner.backend.name == "triton"
+        rag_scenarios(llm, hf_model(path))
+        S, A, B = (random_prompt(n, seed=600 + n) for n in (9, 14, 22))
+        for layout in (("sequential", "isolated"), ("sequential", "standalone")):
+            for chunks in ([A, B], [B, A]):  # cold, then warm and re-positioned
+                run(llm, hf_model(path), [rag(S, chunks, random_prompt(5, seed=601),
+                                              layout=layout)])
+
+
 def test_layouts_recompute_and_scheduling_on_two_ranks(checkpoint, hf_model):
     """Sequential and standalone layouts (keys turned on every rank), recompute at r = 1
     against the full prefill, chunked prefill, preemption and n > 1 on two ranks; recompute

@@ -36,6 +36,7 @@ kernels run on CPU tensors through Triton's interpreter, which is how CPU-only C
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,29 @@ try:
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
     tl = None
+
+
+def _patch_interpreter() -> None:
+    """Triton's interpreter turns a loaded scalar (a 1-element array there) into a loop bound
+    with int(array), which NumPy >= 2.4 refuses for arrays of one dimension: give its tensors
+    an __index__ that reads the one element. Applied where the interpreter runs (here, so that
+    every process that imports the kernels has it: tensor parallelism's workers too)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "ragkv_index", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.ragkv_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if triton is not None and os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_interpreter()
 
 # KV positions per program in the decode kernel's inner loop, and the most splits of one
 # sequence's KV (the merge kernel reduces them in one tile).
