@@ -50,7 +50,7 @@ class SlotTable:
         """Give each sequence a row if it has none and copy its new entries to the device.
         `record`: return them as (row, first entry, slots), for `apply` on another rank's
         table (tensor parallelism)."""
-        updates: list[tuple[SeqKV, int, int]] = []  # (sequence, first new entry, end)
+        entries: list[tuple[int, int, list[int]]] = []  # (row, first new entry, new slots)
         for seq in seqs:
             n = len(seq.slots)
             if n > self.width:
@@ -62,45 +62,43 @@ class SlotTable:
                 seq.row = self._free.pop()
                 seq.num_mirrored = 0
             if seq.num_mirrored < n:
-                updates.append((seq, seq.num_mirrored, n))
+                entries.append((seq.row, seq.num_mirrored, seq.slots[seq.num_mirrored:n]))
                 seq.num_mirrored = n
-        if not updates:
-            return [] if record else None
+        self.apply(entries)
+        return entries if record else None
+
+    def apply(self, entries: list[tuple[int, int, list[int]]]) -> None:
+        """Write `entries` (row, first entry, slots) into the table: this table's new
+        entries (`sync`), or those another rank's table recorded, into the same rows."""
+        if not entries:
+            return
         # A few long runs (new requests' lists) are copied into their rows' slices: one copy
         # each. Everything else (a decode step's one entry per sequence, or many new requests
         # at once, where a copy per run would cost more launches than it saves) is scattered
         # through flat positions in the table. One transfer carries the runs' values, then the
         # scattered values, then their positions.
-        runs = [u for u in updates if u[2] - u[1] >= LONG_RUN]
-        scattered = [u for u in updates if u[2] - u[1] < LONG_RUN]
+        runs = [e for e in entries if len(e[2]) >= LONG_RUN]
+        scattered = [e for e in entries if len(e[2]) < LONG_RUN]
         if len(runs) > MAX_ROW_COPIES:
-            runs, scattered = [], updates
+            runs, scattered = [], entries
         vals: list[int] = []
-        for seq, start, end in runs:
-            vals.extend(seq.slots[start:end])
+        for _, _, slots in runs:
+            vals.extend(slots)
         count = len(vals)
         where: list[int] = []
         width = self.width
-        for seq, start, end in scattered:
+        for row, start, slots in scattered:
             # list.extend over a range or a slice runs in C; a nested list would not.
-            base = seq.row * width
-            where.extend(range(base + start, base + end))
-            vals.extend(seq.slots[start:end])
+            base = row * width + start
+            where.extend(range(base, base + len(slots)))
+            vals.extend(slots)
         update = int64_tensor(vals + where).to(self.device)
         at = 0
-        for seq, start, end in runs:
-            self.table[seq.row, start:end] = update[at:at + end - start]
-            at += end - start
+        for row, start, slots in runs:
+            self.table[row, start:start + len(slots)] = update[at:at + len(slots)]
+            at += len(slots)
         if where:
             self.table.view(-1)[update[len(vals):]] = update[count:len(vals)].to(torch.int32)
-        if record:
-            return [(seq.row, start, seq.slots[start:end]) for seq, start, end in updates]
-        return None
-
-    def apply(self, entries: list[tuple[int, int, list[int]]]) -> None:
-        """Entries another rank's table recorded (`sync(record=True)`), into the same rows."""
-        for row, start, slots in entries:
-            self.table[row, start:start + len(slots)] = torch.tensor(slots, dtype=torch.int32)
 
     def release(self, seq: SeqKV) -> None:
         if seq.row != PAD_ROW:
