@@ -43,8 +43,8 @@ def main() -> None:
     (alone, first), (batched, second) = runs[1], runs[args.batch_size]
     same = sum(a.prediction == b.prediction for a, b in zip(first, second, strict=True))
     report = {"model": args.model, "questions": len(items), "modes": modes,
-              "requests": 2 * len(first), "one_at_a_time_s": round(alone, 1),
-              f"batch_{args.batch_size}_s": round(batched, 1),
+              "requests": 2 * len(first), "one_at_a_time_s": round(alone, 3),
+              f"batch_{args.batch_size}_s": round(batched, 3),
               "speedup": round(alone / batched, 2), "same_answers": same,
               "answers": len(first)}
     print(json.dumps(report))
