@@ -55,6 +55,26 @@ def test_heads_split_by_kv_group_or_replicate_a_kv_head():
         [2, 3, 4], [8, 9, 10]]
 
 
+def test_a_worker_rank_holds_no_lm_head(checkpoint):
+    """Rank 0 alone samples: a worker's shard has no LM head (untied: vocab x hidden fewer
+    weights) and returns no logits, while rank 0's shard keeps it."""
+    import torch
+
+    from ragkv.model.llama import CausalLM
+    from ragkv.model.loader import inspect_checkpoint
+    from ragkv.model.parallel import TPGroup
+
+    mc = inspect_checkpoint(checkpoint("llama_linear_bias")).model_config
+    assert not mc.tie_word_embeddings
+    cpu = torch.device("cpu")
+    first, worker = (CausalLM(mc, 64, torch.float32, cpu, TPGroup(r, 2)) for r in (0, 1))
+    assert first.samples and first.lm_head is not None
+    assert not worker.samples and worker.lm_head is None
+    assert "lm_head.weight" not in {name for name, *_ in worker.weight_targets()}
+    held = sum(p.numel() for p in first.parameters()) - sum(p.numel() for p in worker.parameters())
+    assert held == mc.vocab_size * mc.hidden_size
+
+
 @pytest.mark.parametrize("family", ["llama_linear_bias", "llama_gqa3", "gemma3", "qwen3"])
 def test_rag_scenarios_on_two_ranks_match_reference(family, checkpoint, hf_model):
     """The RAG scenarios (cold, warm reordered, subsets, duplicates, another system prompt,

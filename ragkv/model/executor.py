@@ -314,7 +314,6 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
         pool = KVPool(mc.num_layers, spec.num_slots, model.num_kv_heads, mc.head_dim,
                       spec.dtype, device)
         runner = ModelRunner(model, pool, spec.config, spec.max_model_len)
-        runner.returns_logits = False
         shard = head_shard(mc.num_heads, mc.num_kv_heads, rank, size)
         while True:
             message = _broadcast(None)

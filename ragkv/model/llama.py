@@ -134,7 +134,10 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(mc, dtype, device, tp)
                                     for _ in range(mc.num_layers))
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps, dtype, device)
-        self.lm_head = (None if mc.tie_word_embeddings
+        # Rank 0 alone samples: a tensor-parallel worker holds no LM head and computes no
+        # logits (its CUDA graphs neither), which spares it vocab x hidden weights.
+        self.samples = tp.rank == 0
+        self.lm_head = (None if mc.tie_word_embeddings or not self.samples
                         else empty_param(mc.vocab_size, mc.hidden_size, dtype=dtype, device=device))
         kinds, self.layer_kind = mc.attention_kinds
         # Per attention kind, its window and its rotary table.
@@ -210,6 +213,8 @@ class CausalLM(nn.Module):
         finally:
             if self.route is not None:
                 self.route.prompt_rows = None  # the head and the probes go by size
+        if not self.samples:
+            return residual.new_empty(len(logits_indices), 0, dtype=torch.float32)
         h = self.norm.forward(residual[logits_indices] + h[logits_indices])
         if self.packed_head is not None:
             logits = self.packed_head.forward(h).float()

@@ -83,9 +83,6 @@ class ModelRunner:
         self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
         self.backend = get_attention_backend(config.attention_backend, device)
         model.use_fused_ops(self.backend.fused_ops)
-        # False on a tensor-parallel worker: rank 0 alone samples, so the LM head is skipped
-        # (outside the CUDA graphs, whose logits rows are fixed).
-        self.returns_logits = True
         self.graphs = None  # DecodeGraphs once captured
         self.extend_graphs = None  # ExtendGraphs once captured
         if device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
@@ -197,7 +194,7 @@ class ModelRunner:
             prefix.append(len(spans) == 1 and spans[0][0] == 0)
             logits_of[i] = range(len(input_ids) - (w.end - w.logits_from), len(input_ids))
         logits_rows = ([r for i in range(len(works)) for r in logits_of[i]]
-                       if self.returns_logits else [])
+                       if self.model.samples else [])  # a TP worker: no LM head
         batch = AttentionBatch(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
             write_slots=torch.cat(write_parts).long(), num_heads=self.num_heads,
