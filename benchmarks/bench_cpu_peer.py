@@ -16,6 +16,7 @@ machine: torch's OpenMP threads slow down sharply when another process takes one
     python benchmarks/bench_cpu_peer.py --max-tokens 32 --repeats 1    # quicker
     python benchmarks/bench_cpu_peer.py --skip-llama-cpp --skip-dense  # ragkv packed only
     python benchmarks/bench_cpu_peer.py --crossover    # prefill: kernel vs dequantized path
+    python benchmarks/bench_cpu_peer.py --prompt-dtypes  # prompt rows' matmul: f32 vs bf16
 
 --crossover times plain prompts of 32-580 tokens (caches off) on dense float32 weights and on
 packed weights with every prompt row on the kernel or on the dequantized float32 path: where
@@ -93,6 +94,55 @@ def pick_documents(tokenizer) -> tuple[object, list[str], list[str]]:
     return item, list(item.documents), others
 
 
+def prompt_dtypes(common: dict, repeats: int) -> None:
+    """Packed weights with the prompt rows' dense matmul in float32 and in bfloat16, in one
+    process, interleaved: warm TTFT of the reordered RAG prompt and its full prefill."""
+    import torch
+
+    from ragkv import LLM, SamplingParams
+    from ragkv.model import quantized_linear
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    engines = {dtype: (LLM(**common, quantization="gguf"),
+                       LLM(**common, quantization="gguf", enable_chunk_cache=False,
+                           enable_prefix_caching=False))
+               for dtype in (torch.float32, torch.bfloat16)}
+    first = next(iter(engines.values()))[0]
+    item, docs, others = pick_documents(first.get_tokenizer())
+    messages = [{"role": "system", "content": item.system},
+                {"role": "user", "content": item.question}]
+
+    def ttft(llm, documents: list[str]) -> float:
+        prompt = llm.engine.process_chat(messages, documents=documents)
+        start = time.perf_counter()
+        llm.generate([prompt], one, use_tqdm=False)
+        return time.perf_counter() - start
+
+    saved = quantized_linear.prompt_dtype()
+    times = {dtype: ([], []) for dtype in engines}
+    try:
+        for dtype, (llm, full) in engines.items():  # warm-up; the documents cached
+            quantized_linear._prompt_dtype = dtype
+            ttft(llm, others), ttft(llm, docs), ttft(full, docs)
+        rng = random.Random(0)
+        for _ in range(repeats):
+            order = rng.sample(docs, len(docs))
+            for dtype, (llm, full) in engines.items():
+                quantized_linear._prompt_dtype = dtype
+                times[dtype][0].append(ttft(llm, order))
+                times[dtype][1].append(ttft(full, order))
+    finally:
+        quantized_linear._prompt_dtype = saved
+    print(f"packed weights, prompt rows' matmul (this machine would choose {saved}); medians of "
+          f"{repeats} reordered requests, interleaved:")
+    for dtype, (warm, full) in times.items():
+        print(f"  {str(dtype):<15} warm TTFT {statistics.median(warm) * 1e3:7.1f} ms   full "
+              f"prefill {statistics.median(full) * 1e3:7.1f} ms")
+    (w32, f32), (w16, f16) = ((statistics.median(a), statistics.median(b))
+                              for a, b in times.values())
+    print(f"  float32 / bfloat16: warm {w32 / w16:.2f} x, full prefill {f32 / f16:.2f} x")
+
+
 def crossover(common: dict, threads: int) -> None:
     from ragkv import LLM, SamplingParams
     from ragkv.model import quantized_linear
@@ -142,6 +192,9 @@ def main() -> None:
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--crossover", action="store_true",
                         help="only the prefill table: kernel against dequantized path")
+    parser.add_argument("--prompt-dtypes", action="store_true",
+                        help="only packed TTFT with the prompt rows' matmul in float32 and "
+                             "in bfloat16, side by side")
     parser.add_argument("--skip-dense", action="store_true",
                         help="skip the dequantized float32 ragkv engine")
     args = parser.parse_args()
@@ -156,6 +209,7 @@ def main() -> None:
     import torch
 
     from ragkv import LLM, SamplingParams
+    from ragkv.model import quantized_linear
     from ragkv.model.loader import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -172,6 +226,9 @@ def main() -> None:
     common = dict(model=MODEL, device="cpu", max_model_len=4096)
     if args.crossover:
         crossover(common, args.threads)
+        return
+    if args.prompt_dtypes:
+        prompt_dtypes(common, max(args.repeats, 5))
         return
     # Loaded first and not measured: it also takes the one-time imports out of the RSS figures.
     first = LLM(**common, quantization="gguf", enable_chunk_cache=False,
@@ -227,6 +284,8 @@ def main() -> None:
     messages = [{"role": "system", "content": item.system},
                 {"role": "user", "content": item.question}]
     print(f"\nRAG default: {packed.engine.describe_rag_default()}")
+    print(f"packed weights: prompt rows multiply in {quantized_linear.prompt_dtype()} "
+          "(RAGKV_PACKED_PROMPT_DTYPE pins it)")
     rng, seen = random.Random(0), set()
 
     def new_order() -> list[str]:

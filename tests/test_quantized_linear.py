@@ -17,10 +17,17 @@ from test_gguf import _gguf_case, random_raw
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
+from ragkv.model import quantized_linear
 from ragkv.model.backends import triton_quant
 from ragkv.model.gguf.quants import SUPPORTED_TENSOR_TYPES, dequantize, int4_rows, packed_planes
 from ragkv.model.loader import inspect_checkpoint, use_packed
-from ragkv.model.quantized_linear import KERNEL_MAX_ROWS, Int4Linear, Int4Rows, RowRoute
+from ragkv.model.quantized_linear import (
+    KERNEL_MAX_ROWS,
+    Int4Linear,
+    Int4Rows,
+    RowRoute,
+    prompt_dtype,
+)
 
 gguf = pytest.importorskip("gguf")
 
@@ -29,6 +36,15 @@ gguf = pytest.importorskip("gguf")
 def gguf_file(ckpt_root, checkpoint):
     """gguf_file(family) -> path of that tiny family's GGUF file (tests/test_gguf.py)."""
     return lambda family: _gguf_case(ckpt_root, checkpoint(family), family)[0]
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["prompt_fp32", "prompt_bf16"])
+def prompt_path(request, monkeypatch):
+    """Both matmuls of the prompt rows, whichever this CPU would pick (prompt_dtype)."""
+    monkeypatch.setattr(quantized_linear, "_prompt_dtype", request.param)
+    return request.param
+
+
 PACKABLE = [t.name for i, t in SUPPORTED_TENSOR_TYPES.items() if packed_planes(i)]
 BF16_EPS = 2.0 ** -8  # bfloat16's relative rounding error is at most half of this
 
@@ -75,7 +91,7 @@ def build(rows: Int4Rows, bias: torch.Tensor | None = None, split: int = 1) -> I
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("n_rows", [1, 3, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1,
                                     KERNEL_MAX_ROWS + 40])
-def test_layer_matches_the_dequantized_matmul(planes, n_rows):
+def test_layer_matches_the_dequantized_matmul(planes, n_rows, prompt_path):
     rows = random_rows(192, 96, planes, seed=planes)
     bias = torch.randn(192)
     layer = build(rows, bias, split=3)
@@ -89,30 +105,53 @@ def test_layer_matches_the_dequantized_matmul(planes, n_rows):
     bound = BF16_EPS * (x.abs() @ w.abs().t()) + BF16_EPS * (x @ w.t()).abs() + 1e-5
     assert out.shape == want.shape and out.dtype == torch.float32
     assert bool(((out - want).abs() <= bound).all()), float((out - want).abs().max())
+    if n_rows > KERNEL_MAX_ROWS and prompt_path == torch.float32:  # the dense float32 path
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.dequantize_t(), w.t(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(layer.dequantize_t(torch.bfloat16), w.t().bfloat16())
     ids = torch.tensor([0, 5, 63, 64, 100, 191])
     torch.testing.assert_close(layer.rows(ids, torch.float32), w[ids], rtol=1e-6, atol=1e-7)
 
 
-def test_rows_are_routed_by_their_kind():
-    """With a route, prompt rows take the dequantized float32 path and generated rows the
-    kernel, whatever the step's size; without one (the head, the probes) the size decides."""
+def test_rows_are_routed_by_their_kind(prompt_path):
+    """With a route, prompt rows take the dequantized path (a dense matmul in
+    prompt_dtype()) and generated rows the kernel, whatever the step's size; without one (the
+    head, the probes) the size decides."""
     rows = random_rows(128, 64, 1, seed=4)
     route = RowRoute()
     layer = build(rows)
     layer.route = route
     w = rows.dequantize()
     x = torch.randn(10, 64)
+
+    def dense(x: torch.Tensor) -> torch.Tensor:
+        return (x.to(prompt_path) @ w.t().to(prompt_path)).float()
+
     kernel = layer.forward(x[3:])  # by size: 7 rows take the kernel
     assert torch.equal(kernel, layer._kernel(x[3:]))
     route.prompt_rows = 3
     out = layer.forward(x)
-    torch.testing.assert_close(out[:3], x[:3] @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:3], dense(x[:3]), rtol=1e-5, atol=1e-5)
     assert torch.equal(out[3:], kernel)
     route.prompt_rows = 10
-    torch.testing.assert_close(layer.forward(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.forward(x), dense(x), rtol=1e-5, atol=1e-5)
     route.prompt_rows = 0
     assert torch.equal(layer.forward(x)[3:], kernel)
+
+
+def test_prompt_matmul_dtype_is_chosen_once_or_pinned(monkeypatch):
+    """bfloat16 only where this CPU multiplies it natively (1.5x float32's speed), chosen once
+    per process; RAGKV_PACKED_PROMPT_DTYPE pins it, and a wrong value is refused."""
+    chosen = prompt_dtype()
+    assert chosen in (torch.float32, torch.bfloat16) and prompt_dtype() is chosen
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        monkeypatch.setattr(quantized_linear, "_prompt_dtype", None)
+        monkeypatch.setenv("RAGKV_PACKED_PROMPT_DTYPE", name)
+        assert prompt_dtype() == dtype
+    monkeypatch.setattr(quantized_linear, "_prompt_dtype", None)
+    monkeypatch.setenv("RAGKV_PACKED_PROMPT_DTYPE", "float16")
+    with pytest.raises(ValueError, match="use float32 or bfloat16"):
+        prompt_dtype()
 
 
 def test_kernel_rows_do_not_depend_on_the_batch():

@@ -317,15 +317,20 @@ def test_an_engine_dropped_unclosed_stops_its_workers(checkpoint):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
-def test_smollm2_packed_weights_split_across_two_ranks():
+def test_smollm2_packed_weights_split_across_two_ranks(monkeypatch):
     """SmolLM2's GGUF weights kept packed (4-bit planes; Q8_0 as two) and split: rank 0 holds
-    less than one process does; a plain prompt's first-token logprobs (prompt rows run the
-    dequantized float32 path) equal one process's within 1e-4, and its first generated tokens
-    (the int4 kernel on the split planes) are the same. Later tokens may part at a near tie:
-    the kernel rounds its inputs to bfloat16, as docs/quantization.md states."""
+    less than one process does; a plain prompt's first-token logprobs (prompt rows pinned to
+    the dequantized float32 path) equal one process's within 1e-4, and its first generated
+    tokens (the int4 kernel on the split planes) are the same. Later tokens may part at a
+    near tie: the kernel rounds its inputs to bfloat16, as docs/quantization.md states (so
+    does the bfloat16 prompt path of CPUs that have one, where a split sum rounds apart)."""
     from dependencies import missing
 
+    from ragkv.model import quantized_linear
     from ragkv.model.real_models import real_model_available
+
+    monkeypatch.setenv("RAGKV_PACKED_PROMPT_DTYPE", "float32")  # the spawned workers too
+    monkeypatch.setattr(quantized_linear, "_prompt_dtype", None)
 
     model = "smollm2-135m-instruct"
     if not real_model_available(model):

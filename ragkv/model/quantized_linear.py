@@ -12,13 +12,18 @@ the float32 bytes.
 Numerics (docs/quantization.md): W is the file's values with each group's scale and zero
 rounded to bfloat16. Generated tokens (decode, drafts) run the kernel: x and y rounded to
 bfloat16, float32 products, a few bfloat16 roundings inside; within 2^-8 (|x| @ |W|.T + |y|)
-of the float32 matmul. Prompt tokens dequantize the layer to float32 for the step and run a
-dense float32 matmul (2x faster than the kernel for prefill-sized steps on this CPU); so do
-steps of more than `KERNEL_MAX_ROWS` rows where no route is set (tests/test_quantized_linear.py).
+of the float32 matmul. Prompt tokens dequantize the layer for the step and run a dense matmul
+(2x faster than the kernel for prefill-sized steps); so do steps of more than
+`KERNEL_MAX_ROWS` rows where no route is set (tests/test_quantized_linear.py). That matmul is
+float32, or bfloat16 (x, W and y rounded to it, float32 sums) on a CPU that multiplies
+bfloat16 natively, where it is about 4x faster (`prompt_dtype`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +40,42 @@ _INNER_K_TILES = 2  # the packed layout's tiling along K (the kernel's innerKTil
 # "Quantized weights"). Dequantizing costs ~0.7 ns per weight per step, the kernel ~2.5x a
 # dense float32 matmul's time per row.
 KERNEL_MAX_ROWS = 80
+
+logger = logging.getLogger(__name__)
+_prompt_dtype: torch.dtype | None = None  # prompt_dtype()'s choice, made on first use
+
+
+def prompt_dtype() -> torch.dtype:
+    """The dtype of the prompt rows' dense matmul when activations are float32: bfloat16 where
+    this CPU multiplies bfloat16 at least 1.5x faster than float32 (AVX512-BF16 or AMX: 4x on
+    a Zen 5 core; slower than float32 on CPUs without them), else float32. Timed once per
+    process on a prefill-sized GEMM, a margin wide enough that the choice does not flip with
+    noise; RAGKV_PACKED_PROMPT_DTYPE=float32 or bfloat16 pins it."""
+    global _prompt_dtype
+    if _prompt_dtype is None:
+        pinned = os.environ.get("RAGKV_PACKED_PROMPT_DTYPE")
+        if pinned not in (None, "", "float32", "bfloat16"):
+            raise ValueError(f"RAGKV_PACKED_PROMPT_DTYPE={pinned!r}: use float32 or bfloat16")
+        if pinned:
+            _prompt_dtype = getattr(torch, pinned)
+        else:
+            x, w = torch.randn(128, 576), torch.randn(576, 1536)
+            fp32, bf16 = _gemm_time(x, w), _gemm_time(x.bfloat16(), w.bfloat16())
+            _prompt_dtype = torch.bfloat16 if fp32 >= 1.5 * bf16 else torch.float32
+            logger.info("packed weights: prompt rows multiply in %s (a GEMM took %.2f ms in "
+                        "float32, %.2f ms in bfloat16)", str(_prompt_dtype).split(".")[-1],
+                        fp32 * 1e3, bf16 * 1e3)
+    return _prompt_dtype
+
+
+def _gemm_time(x: torch.Tensor, w: torch.Tensor) -> float:
+    x @ w
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        x @ w
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 @dataclass(slots=True)
@@ -183,10 +224,12 @@ class Int4Linear(nn.Module):
             xb.contiguous(), self.packed, GROUP_SIZE, self.scale_zero).to(x.dtype)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        # Not rounded to bfloat16 as the kernel's are: float32 GEMMs give a row slightly
-        # different sums in steps of different sizes, which a rounding would blow up to a
-        # whole bfloat16 step now and then.
-        return x @ self.dequantize_t().to(x.dtype)
+        # In float32 where bfloat16 is not faster: there, float32 GEMMs give a row slightly
+        # different sums in steps of different sizes, which a bfloat16 rounding would blow up
+        # to a whole bfloat16 step now and then. The bfloat16 GEMMs of CPUs that have them
+        # sum a row alike in steps of any size (from 2 rows; tests/test_quantized_linear.py).
+        dtype = prompt_dtype() if x.dtype == torch.float32 else x.dtype
+        return (x.to(dtype) @ self.dequantize_t(dtype)).to(x.dtype)
 
     def _unpacked(self) -> torch.Tensor:
         """The 4-bit values, uint8 [planes * K, N] (W.T's layout). The packed bytes are
@@ -197,16 +240,19 @@ class Int4Linear(nn.Module):
         # One stack (2.6x faster than two writes into the halves of a preallocated tensor).
         return torch.stack((packed & 15, packed >> 4), dim=2).view(width, n)
 
-    def dequantize_t(self) -> torch.Tensor:
-        """W.T [K, N] in float32, from the packed values and the held (bfloat16) scales."""
+    def dequantize_t(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W.T [K, N] from the packed values and the held (bfloat16) scales: computed in
+        float32, then rounded to `dtype`."""
         q = self._unpacked().view(-1, GROUP_SIZE, self.out_features)
         scale = self.scale_zero[..., 0].float().unsqueeze(1)
         zero = self.scale_zero[..., 1].float().unsqueeze(1)
         # uint8 q straight into the float32 product: no float copy of q (1.5x faster).
         w = torch.addcmul(zero - 8 * scale, q, scale)
         if self.planes == 1:
-            return w.view(self.in_features, self.out_features)
-        return w.view(self.planes, self.in_features, self.out_features).sum(dim=0)
+            w = w.view(self.in_features, self.out_features)
+        else:
+            w = w.view(self.planes, self.in_features, self.out_features).sum(dim=0)
+        return w if dtype == torch.float32 else w.to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of W [len(ids), K] as `dtype` (an embedding lookup)."""
