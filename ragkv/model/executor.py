@@ -35,6 +35,7 @@ import torch
 from ..cache.kv_manager import SeqKV
 from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
+from . import quantized_linear
 from .llama import CausalLM
 from .loader import Checkpoint, load_weights
 from .parallel import HeadShard, TPGroup, head_shard
@@ -66,6 +67,9 @@ class RankSpec:
     max_model_len: int
     num_slots: int
     packed: bool
+    # Packed weights: the prompt rows' matmul dtype, rank 0's choice (quantized_linear
+    # .prompt_dtype), so that no rank's timing can choose differently.
+    prompt_dtype: torch.dtype | None = None
 
 
 def make_runner(model: CausalLM, pool: KVPool, spec: RankSpec) -> ModelRunner | TPRunner:
@@ -280,6 +284,8 @@ def start_workers(spec: RankSpec, device: torch.device) -> list:
         raise RuntimeError("tensor parallelism: this process already belongs to a "
                            "torch.distributed group (one engine with tensor_parallel_size "
                            "> 1 per process: close the other one first)")
+    if spec.packed and device.type == "cpu":
+        spec = dataclasses.replace(spec, prompt_dtype=quantized_linear.prompt_dtype())
     address = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_worker_main, args=(rank, address, spec, device),
@@ -307,6 +313,8 @@ def _worker_main(rank: int, address: str, spec: RankSpec, device: torch.device) 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _join(device, address, rank, size)
+    if spec.prompt_dtype is not None:
+        quantized_linear.pin_prompt_dtype(spec.prompt_dtype)
     try:
         mc = spec.checkpoint.model_config
         model = CausalLM(mc, spec.max_len, spec.dtype, device, TPGroup(rank, size)).eval()

@@ -68,6 +68,12 @@ def prompt_dtype() -> torch.dtype:
     return _prompt_dtype
 
 
+def pin_prompt_dtype(dtype: torch.dtype) -> None:
+    """Take `dtype` as prompt_dtype()'s choice (a tensor-parallel worker takes rank 0's)."""
+    global _prompt_dtype
+    _prompt_dtype = dtype
+
+
 def _gemm_time(x: torch.Tensor, w: torch.Tensor) -> float:
     x @ w
     times = []
