@@ -19,8 +19,9 @@ machine: torch's OpenMP threads slow down sharply when another process takes one
     python benchmarks/bench_cpu_peer.py --prompt-dtypes  # prompt rows' matmul: f32 vs bf16
 
 --crossover times plain prompts of 32-580 tokens (caches off) on dense float32 weights and on
-packed weights with every prompt row on the kernel or on the dequantized float32 path: where
-the two packed columns cross is where the layers switch by step size (KERNEL_MAX_ROWS).
+packed weights with every prompt row on the kernel, on the dequantized path, and as served:
+where the kernel and dequantized columns cross is where a prompt's rows should switch
+(KERNEL_MAX_ROWS: prompts up to that length run the kernel).
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def prompt_dtypes(common: dict, repeats: int) -> None:
 
 def crossover(common: dict, threads: int) -> None:
     from ragkv import LLM, SamplingParams
-    from ragkv.model import quantized_linear
+    from ragkv.model import quantized_linear, runner
 
     dense = LLM(**common, quantization="none", dtype="float32", enable_chunk_cache=False,
                 enable_prefix_caching=False)
@@ -166,20 +167,25 @@ def crossover(common: dict, threads: int) -> None:
 
     route, saved = packed.engine.model.route, quantized_linear.KERNEL_MAX_ROWS
     print(f"prefill of a plain prompt, best of 3, ms ({threads} threads); packed: every prompt "
-          "row on the kernel / on the dequantized path (as served: prompt rows always take it; "
-          f"the head and probes take the kernel up to {saved} rows)")
-    print(f"{'tokens':>6} {'dense f32':>10} {'kernel':>8} {'dequant':>8}")
+          "row on the kernel / on the dequantized path / as served (a prompt of at most "
+          f"{saved} tokens on the kernel, a longer one's rows dequantized; the head and probes "
+          f"take the kernel up to {saved} rows)")
+    print(f"{'tokens':>6} {'dense f32':>10} {'kernel':>8} {'dequant':>8} {'served':>8}")
     try:
         for n in (32, 64, 96, 128, 192, 256, 580):
             dense_t = best(dense, n)
-            dequant_t = best(packed, n)  # as served: prompt rows on the dequantized path
+            served_t = best(packed, n)
+            runner.KERNEL_MAX_ROWS = 0  # every prompt on the dequantized path
+            dequant_t = best(packed, n)
+            runner.KERNEL_MAX_ROWS = saved
             packed.engine.model.route = None  # by size, every row on the kernel
             quantized_linear.KERNEL_MAX_ROWS = 10**6
             kernel_t = best(packed, n)
             packed.engine.model.route, quantized_linear.KERNEL_MAX_ROWS = route, saved
-            print(f"{n:>6} {dense_t:>10.1f} {kernel_t:>8.1f} {dequant_t:>8.1f}", flush=True)
+            print(f"{n:>6} {dense_t:>10.1f} {kernel_t:>8.1f} {dequant_t:>8.1f} "
+                  f"{served_t:>8.1f}", flush=True)
     finally:
-        quantized_linear.KERNEL_MAX_ROWS = saved
+        quantized_linear.KERNEL_MAX_ROWS = runner.KERNEL_MAX_ROWS = saved
         packed.engine.model.route = route
 
 

@@ -249,6 +249,35 @@ def test_packed_batch_with_prompts_and_decodes(gguf_file, checkpoint):
     llm.check_integrity()
 
 
+def test_a_short_prompt_runs_the_kernel_and_a_long_one_the_dense_path(gguf_file, checkpoint,
+                                                                       monkeypatch):
+    """A prompt of at most KERNEL_MAX_ROWS tokens runs every row on the kernel, as generated
+    tokens do, in whatever steps it is split; a longer one's prompt rows take the dense path
+    in every step. So a short prompt computes the same token for token chunked or whole."""
+    path = gguf_file("llama")
+    dense_rows = []
+    dense = Int4Linear._dense
+    monkeypatch.setattr(Int4Linear, "_dense",
+                        lambda self, x: dense_rows.append(x.shape[0]) or dense(self, x))
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
+    short = {"prompt_token_ids": random_prompt(KERNEL_MAX_ROWS, seed=5)}
+    long = {"prompt_token_ids": random_prompt(KERNEL_MAX_ROWS + 1, seed=6)}
+    outs = []
+    for budget in (512, 16):  # whole, and chunked prefill in steps of 16 tokens
+        llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf",
+                  max_num_batched_tokens=budget, enable_prefix_caching=False)
+        dense_rows.clear()
+        outs.append(llm.generate([short], params, use_tqdm=False)[0].outputs[0])
+        assert dense_rows == []
+        llm.generate([long], params, use_tqdm=False)
+        layers = 4 * llm.engine.model_config.num_layers  # qkv, o, gate_up, down per block
+        assert sum(dense_rows) == layers * (KERNEL_MAX_ROWS + 1)
+        assert max(dense_rows) == (KERNEL_MAX_ROWS + 1 if budget == 512 else 16)
+        llm.check_integrity()
+    assert outs[0].token_ids == outs[1].token_ids
+    assert outs[0].logprobs == outs[1].logprobs  # the same kernel rows, step for step
+
+
 def test_which_weights_stay_packed(gguf_file, checkpoint):
     path = gguf_file("yarn")  # Q4_0 weights
     ckpt = inspect_checkpoint(path)

@@ -317,16 +317,26 @@ def test_an_engine_dropped_unclosed_stops_its_workers(checkpoint):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
+# Long enough that its rows take the dense path (a shorter prompt runs the kernel).
+PAINTERS = ("Painters have mixed their colours on wooden palettes for centuries, from the "
+            "earth pigments of the caves to the bright tubes of the modern studio. Every "
+            "school of painting taught its students how to see light, how to mix shadows, "
+            "and how to build a picture from a few simple colours, layer upon layer, until "
+            "the canvas seemed to glow from within. Teachers often began with a simple "
+            "lesson about the colour wheel.")
+
+
 def test_smollm2_packed_weights_split_across_two_ranks(monkeypatch):
     """SmolLM2's GGUF weights kept packed (4-bit planes; Q8_0 as two) and split: rank 0 holds
-    less than one process does; a plain prompt's first-token logprobs (prompt rows pinned to
-    the dequantized float32 path) equal one process's within 1e-4, and its first generated
+    less than one process does; a plain prompt's first-token logprobs (its rows pinned to the
+    dequantized float32 path) equal one process's within 1e-4, and its first generated
     tokens (the int4 kernel on the split planes) are the same. Later tokens may part at a
     near tie: the kernel rounds its inputs to bfloat16, as docs/quantization.md states (so
     does the bfloat16 prompt path of CPUs that have one, where a split sum rounds apart)."""
     from dependencies import missing
 
     from ragkv.model import quantized_linear
+    from ragkv.model.quantized_linear import KERNEL_MAX_ROWS
     from ragkv.model.real_models import real_model_available
 
     monkeypatch.setenv("RAGKV_PACKED_PROMPT_DTYPE", "float32")  # the spawned workers too
@@ -343,8 +353,9 @@ def test_smollm2_packed_weights_split_across_two_ranks(monkeypatch):
         try:
             assert llm.engine.weights.int4_layers > 100
             held.append(llm.engine.weights.weight_bytes)
-            outs.append(llm.generate(["The three primary colours are"], params,
-                                     use_tqdm=False)[0].outputs[0])
+            prompt = PAINTERS + " The three primary colours are"
+            assert len(llm.get_tokenizer()(prompt)["input_ids"]) > KERNEL_MAX_ROWS
+            outs.append(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0])
         finally:
             llm.engine.close()
     assert held[1] < 0.8 * held[0]

@@ -40,6 +40,12 @@ class SeqWork:
         return self.request.kv
 
     @property
+    def prompt_len(self) -> int:
+        """The request's prompt tokens (packed weights route a short prompt's rows as
+        generated ones: model/runner.py)."""
+        return self.request.num_prompt_tokens
+
+    @property
     def num_kv(self) -> int:
         return sum(b - a for a, b in self.kv_spans)
 

@@ -88,11 +88,12 @@ def _gemm_time(x: torch.Tensor, w: torch.Tensor) -> float:
 class RowRoute:
     """Which path each row of the current forward takes, shared by all packed layers of a
     model. `prompt_rows` None: by the step's size (at most KERNEL_MAX_ROWS rows: the kernel);
-    n: the first n rows are prompt tokens, which always take the dequantized path, the rest
-    generated tokens (decode, drafts), which always take the kernel. Routing by the token's
-    kind keeps a token's path the same in whatever step computes it: a warm request's
-    question (a small step) as in the cold one (a large step). Warm answers then stay close to
-    cold ones, not bit-exact (docs/quantization.md)."""
+    n: the first n rows take the dequantized path (the prompt tokens of prompts longer than
+    KERNEL_MAX_ROWS), the rest the kernel (generated tokens: decode, drafts; and every token
+    of a shorter prompt; the runner orders them so). Routing by the token's kind keeps a
+    token's path the same in whatever step computes it: a warm request's question (a small
+    step) as in the cold one (a large step). Warm answers then stay close to cold ones, not
+    bit-exact (docs/quantization.md)."""
 
     prompt_rows: int | None = None
 

@@ -23,6 +23,7 @@ from ..sampling.noise import uniform_noise
 from .backends.base import AttentionBackend, AttentionBatch, AttentionMetadata
 from .backends.registry import get_attention_backend
 from .llama import CausalLM
+from .quantized_linear import KERNEL_MAX_ROWS
 from .reposition import Turn, TurnTable
 from .slot_table import PAD_ROW, SlotTable
 
@@ -50,6 +51,7 @@ class Work(Protocol):
     # chunk tokens keep their keys at the chunk's base positions, like the cached ones).
     query_index: tuple[int, ...] | None
     key_positions: list[int] | None
+    prompt_len: int  # the request's prompt tokens
 
 
 class Probe(Protocol):
@@ -147,13 +149,17 @@ class ModelRunner:
         prompt_rows = None
         order = list(range(len(works)))
         if self.model.route is not None:
-            # Packed weights route rows by kind (quantized_linear.RowRoute): prompt works'
-            # rows first, then generated tokens' (works whose every row is sampled: decode,
-            # drafts). The logits still come back in the works' order.
-            generated = [w.logits_from == w.end - len(w.token_ids) for w in works]
-            order.sort(key=generated.__getitem__)
-            prompt_rows = sum(len(w.token_ids) for w, g in zip(works, generated, strict=True)
-                              if not g)
+            # Packed weights route rows by kind (quantized_linear.RowRoute): the dense path's
+            # rows first, then the kernel's: generated tokens (works after the prompt:
+            # decode, drafts) and every row of a prompt short enough for the kernel to be
+            # the faster (a chat turn: 3x on a 32-token prompt where bfloat16 is native).
+            # Either way a token's path depends on its request, never on the step. The
+            # logits still come back in the works' order.
+            kernel = [w.end - len(w.token_ids) >= w.prompt_len
+                      or w.prompt_len <= KERNEL_MAX_ROWS for w in works]
+            order.sort(key=kernel.__getitem__)
+            prompt_rows = sum(len(w.token_ids) for w, k in zip(works, kernel, strict=True)
+                              if not k)
         input_ids: list[int] = []
         positions: list[int] = []
         q_lens, kv_lens, q_starts, seq_lens = [], [], [], []
