@@ -25,7 +25,7 @@ from .layers import Linear
 from .llama import CausalLM
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .parallel import Shard
-from .quantized_linear import Int4Linear, RowRoute, int4_supported
+from .quantized_linear import Int4Linear, RowRoute, int4_supported, prompt_dtype
 from .real_models import REAL_MODELS, real_model_file
 
 logger = logging.getLogger(__name__)
@@ -276,6 +276,8 @@ def load_weights(model: CausalLM, checkpoint: Checkpoint, packed: bool = False,
     layers = {id(m): m for m in layers_of.values()}
     for layer in layers.values():
         layer.pack()
+    if layers and not int8:
+        prompt_dtype()  # chosen (and logged) now, not in the first request's time
     dense = sum(isinstance(m, Linear) for m in model.modules())
     held = sum(m.weight_bytes() for m in layers.values()) + sum(
         t.numel() * t.element_size() for t in model.parameters())
