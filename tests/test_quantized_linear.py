@@ -154,6 +154,23 @@ def test_prompt_matmul_dtype_is_chosen_once_or_pinned(monkeypatch):
         prompt_dtype()
 
 
+def test_bfloat16_prompt_rows_do_not_depend_on_the_step(monkeypatch):
+    """Where this CPU takes the bfloat16 prompt path (native bfloat16), a prompt row computes
+    the same alone (padded to two rows) as in a step of many: warm steps match cold ones."""
+    if prompt_dtype() != torch.bfloat16:
+        pytest.skip("this CPU multiplies prompt rows in float32")
+    layer = build(random_rows(576, 1536, 2, seed=11))  # SmolLM2's down projection's shape
+    layer.route = RowRoute()
+    x = torch.randn(150, 1536, generator=torch.Generator().manual_seed(3))
+    layer.route.prompt_rows = 150
+    whole = layer.forward(x)
+    for i in range(0, 150, 3):  # a lone row took the GEMV: 1 in 8 of these apart unpadded
+        layer.route.prompt_rows = 1
+        assert torch.equal(layer.forward(x[i:i + 1]), whole[i:i + 1])
+        layer.route.prompt_rows = 3
+        assert torch.equal(layer.forward(x[i:i + 3]), whole[i:i + 3])
+
+
 def test_kernel_rows_do_not_depend_on_the_batch():
     """A row's output is the same alone or among others (decode vs batched decode)."""
     layer = build(random_rows(128, 64, 2, seed=9))

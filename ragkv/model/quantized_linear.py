@@ -233,10 +233,14 @@ class Int4Linear(nn.Module):
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
         # In float32 where bfloat16 is not faster: there, float32 GEMMs give a row slightly
         # different sums in steps of different sizes, which a bfloat16 rounding would blow up
-        # to a whole bfloat16 step now and then. The bfloat16 GEMMs of CPUs that have them
-        # sum a row alike in steps of any size (from 2 rows; tests/test_quantized_linear.py).
+        # to a whole bfloat16 step now and then. The bfloat16 GEMM of a Zen 5 CPU sums a row
+        # alike in steps of any size from 2 rows (one row is padded to two).
         dtype = prompt_dtype() if x.dtype == torch.float32 else x.dtype
-        return (x.to(dtype) @ self.dequantize_t(dtype)).to(x.dtype)
+        xd = x.to(dtype)
+        if dtype == torch.bfloat16 and x.shape[0] == 1:
+            # One row takes a GEMV whose sums can differ in the last bit; two take the GEMM.
+            return (xd.expand(2, -1) @ self.dequantize_t(dtype))[:1].to(x.dtype)
+        return (xd @ self.dequantize_t(dtype)).to(x.dtype)
 
     def _unpacked(self) -> torch.Tensor:
         """The 4-bit values, uint8 [planes * K, N] (W.T's layout). The packed bytes are
