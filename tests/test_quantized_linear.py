@@ -140,8 +140,9 @@ def test_rows_are_routed_by_their_kind(prompt_path):
 
 
 def test_prompt_matmul_dtype_is_chosen_once_or_pinned(monkeypatch):
-    """bfloat16 only where this CPU multiplies it natively (1.5x float32's speed), chosen once
-    per process; RAGKV_PACKED_PROMPT_DTYPE pins it, and a wrong value is refused."""
+    """bfloat16 only where this CPU multiplies it natively (1.5x float32's speed) and sums a
+    row alike in steps of any size, chosen once per process; RAGKV_PACKED_PROMPT_DTYPE pins
+    it, and a wrong value is refused."""
     chosen = prompt_dtype()
     assert chosen in (torch.float32, torch.bfloat16) and prompt_dtype() is chosen
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
@@ -152,6 +153,15 @@ def test_prompt_matmul_dtype_is_chosen_once_or_pinned(monkeypatch):
     monkeypatch.setenv("RAGKV_PACKED_PROMPT_DTYPE", "float16")
     with pytest.raises(ValueError, match="use float32 or bfloat16"):
         prompt_dtype()
+    # The rule itself: bfloat16 only when 1.5x faster and its rows sum alike in any step.
+    monkeypatch.delenv("RAGKV_PACKED_PROMPT_DTYPE")
+    for speedup, alike, want in ((4.0, True, torch.bfloat16), (4.0, False, torch.float32),
+                                 (1.4, True, torch.float32)):
+        monkeypatch.setattr(quantized_linear, "_prompt_dtype", None)
+        monkeypatch.setattr(quantized_linear, "_gemm_time",
+                            lambda x, w, s=speedup: 1.0 if x.dtype == torch.float32 else 1 / s)
+        monkeypatch.setattr(quantized_linear, "_rows_alike", lambda x, w, a=alike: a)
+        assert prompt_dtype() == want
 
 
 def test_bfloat16_prompt_rows_do_not_depend_on_the_step(monkeypatch):

@@ -48,9 +48,11 @@ _prompt_dtype: torch.dtype | None = None  # prompt_dtype()'s choice, made on fir
 def prompt_dtype() -> torch.dtype:
     """The dtype of the prompt rows' dense matmul when activations are float32: bfloat16 where
     this CPU multiplies bfloat16 at least 1.5x faster than float32 (AVX512-BF16 or AMX: 4x on
-    a Zen 5 core; slower than float32 on CPUs without them), else float32. Timed once per
-    process on a prefill-sized GEMM, a margin wide enough that the choice does not flip with
-    noise; RAGKV_PACKED_PROMPT_DTYPE=float32 or bfloat16 pins it."""
+    a Zen 5 core; slower than float32 on CPUs without them) and its GEMM sums a row alike in
+    steps of 2 rows or more (else a bfloat16 rounding would part warm steps from cold ones
+    more often), else float32. Timed once per process on a prefill-sized GEMM, a margin wide
+    enough that the choice does not flip with noise; RAGKV_PACKED_PROMPT_DTYPE=float32 or
+    bfloat16 pins it."""
     global _prompt_dtype
     if _prompt_dtype is None:
         pinned = os.environ.get("RAGKV_PACKED_PROMPT_DTYPE")
@@ -60,11 +62,14 @@ def prompt_dtype() -> torch.dtype:
             _prompt_dtype = getattr(torch, pinned)
         else:
             x, w = torch.randn(128, 576), torch.randn(576, 1536)
-            fp32, bf16 = _gemm_time(x, w), _gemm_time(x.bfloat16(), w.bfloat16())
-            _prompt_dtype = torch.bfloat16 if fp32 >= 1.5 * bf16 else torch.float32
+            xb, wb = x.bfloat16(), w.bfloat16()
+            fp32, bf16 = _gemm_time(x, w), _gemm_time(xb, wb)
+            alike = _rows_alike(xb, wb)
+            _prompt_dtype = torch.bfloat16 if fp32 >= 1.5 * bf16 and alike else torch.float32
             logger.info("packed weights: prompt rows multiply in %s (a GEMM took %.2f ms in "
-                        "float32, %.2f ms in bfloat16)", str(_prompt_dtype).split(".")[-1],
-                        fp32 * 1e3, bf16 * 1e3)
+                        "float32, %.2f ms in bfloat16; bfloat16 rows %s in steps of any "
+                        "size)", str(_prompt_dtype).split(".")[-1], fp32 * 1e3, bf16 * 1e3,
+                        "sum alike" if alike else "do not sum alike")
     return _prompt_dtype
 
 
@@ -72,6 +77,13 @@ def pin_prompt_dtype(dtype: torch.dtype) -> None:
     """Take `dtype` as prompt_dtype()'s choice (a tensor-parallel worker takes rank 0's)."""
     global _prompt_dtype
     _prompt_dtype = dtype
+
+
+def _rows_alike(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether rows of x @ w come out bit for bit the same in steps of 2, 3 and 17 rows as
+    in one step of all of them."""
+    whole = x @ w
+    return all(torch.equal(x[i:i + n] @ w, whole[i:i + n]) for i in (0, 5, 40) for n in (2, 3, 17))
 
 
 def _gemm_time(x: torch.Tensor, w: torch.Tensor) -> float:
