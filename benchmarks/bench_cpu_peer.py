@@ -95,15 +95,26 @@ def pick_documents(tokenizer) -> tuple[object, list[str], list[str]]:
     return item, list(item.documents), others
 
 
+def rag_ttft(llm, messages: list[dict], documents: list[str]) -> tuple[float, object, object]:
+    """Wall time of generate(max_tokens=1) on the chat `messages` with `documents`, the
+    rendered prompt and the output."""
+    from ragkv import SamplingParams
+
+    prompt = llm.engine.process_chat(messages, documents=documents)
+    start = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0),
+                       use_tqdm=False)[0]
+    return time.perf_counter() - start, prompt, out
+
+
 def prompt_dtypes(common: dict, repeats: int) -> None:
     """Packed weights with the prompt rows' dense matmul in float32 and in bfloat16, in one
     process, interleaved: warm TTFT of the reordered RAG prompt and its full prefill."""
     import torch
 
-    from ragkv import LLM, SamplingParams
+    from ragkv import LLM
     from ragkv.model import quantized_linear
 
-    one = SamplingParams(max_tokens=1, temperature=0.0)
     engines = {dtype: (LLM(**common, quantization="gguf"),
                        LLM(**common, quantization="gguf", enable_chunk_cache=False,
                            enable_prefix_caching=False))
@@ -114,26 +125,23 @@ def prompt_dtypes(common: dict, repeats: int) -> None:
                 {"role": "user", "content": item.question}]
 
     def ttft(llm, documents: list[str]) -> float:
-        prompt = llm.engine.process_chat(messages, documents=documents)
-        start = time.perf_counter()
-        llm.generate([prompt], one, use_tqdm=False)
-        return time.perf_counter() - start
+        return rag_ttft(llm, messages, documents)[0]
 
     saved = quantized_linear.prompt_dtype()
     times = {dtype: ([], []) for dtype in engines}
     try:
         for dtype, (llm, full) in engines.items():  # warm-up; the documents cached
-            quantized_linear._prompt_dtype = dtype
+            quantized_linear.pin_prompt_dtype(dtype)
             ttft(llm, others), ttft(llm, docs), ttft(full, docs)
         rng = random.Random(0)
         for _ in range(repeats):
             order = rng.sample(docs, len(docs))
             for dtype, (llm, full) in engines.items():
-                quantized_linear._prompt_dtype = dtype
+                quantized_linear.pin_prompt_dtype(dtype)
                 times[dtype][0].append(ttft(llm, order))
                 times[dtype][1].append(ttft(full, order))
     finally:
-        quantized_linear._prompt_dtype = saved
+        quantized_linear.pin_prompt_dtype(saved)
     print(f"packed weights, prompt rows' matmul (this machine would choose {saved}); medians of "
           f"{repeats} reordered requests, interleaved:")
     for dtype, (warm, full) in times.items():
@@ -305,10 +313,7 @@ def main() -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
 
     def ttft(llm, documents: list[str]) -> tuple[float, object, object]:
-        prompt = llm.engine.process_chat(messages, documents=documents)
-        start = time.perf_counter()
-        out = llm.generate([prompt], one, use_tqdm=False)[0]
-        return time.perf_counter() - start, prompt, out
+        return rag_ttft(llm, messages, documents)
 
     def plain_ttft(llm, prompt) -> float:
         start = time.perf_counter()

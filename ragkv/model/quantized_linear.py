@@ -251,8 +251,8 @@ class Int4Linear(nn.Module):
         xd = x.to(dtype)
         if dtype == torch.bfloat16 and x.shape[0] == 1:
             # One row takes a GEMV whose sums can differ in the last bit; two take the GEMM.
-            return (xd.expand(2, -1) @ self.dequantize_t(dtype))[:1].to(x.dtype)
-        return (xd @ self.dequantize_t(dtype)).to(x.dtype)
+            xd = xd.expand(2, -1)
+        return (xd @ self.dequantize_t(dtype))[:x.shape[0]].to(x.dtype)
 
     def _unpacked(self) -> torch.Tensor:
         """The 4-bit values, uint8 [planes * K, N] (W.T's layout). The packed bytes are
