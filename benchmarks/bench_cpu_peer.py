@@ -15,6 +15,7 @@ machine: torch's OpenMP threads slow down sharply when another process takes one
     python benchmarks/bench_cpu_peer.py                                # 128 tokens, 3 repeats
     python benchmarks/bench_cpu_peer.py --max-tokens 32 --repeats 1    # quicker
     python benchmarks/bench_cpu_peer.py --skip-llama-cpp --skip-dense  # ragkv packed only
+    python benchmarks/bench_cpu_peer.py --compile --skip-dense  # + decode via torch.compile
     python benchmarks/bench_cpu_peer.py --crossover    # prefill: kernel vs dequantized path
     python benchmarks/bench_cpu_peer.py --prompt-dtypes  # prompt rows' matmul: f32 vs bf16
 
@@ -33,6 +34,7 @@ import statistics
 import time
 
 MODEL = "smollm2-135m-instruct"
+COMPILED = "ragkv packed 4-bit, compiled decode"
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
@@ -211,6 +213,9 @@ def main() -> None:
                              "in bfloat16, side by side")
     parser.add_argument("--skip-dense", action="store_true",
                         help="skip the dequantized float32 ragkv engine")
+    parser.add_argument("--compile", action="store_true",
+                        help="also a packed engine with its decode steps compiled "
+                             "(enable_torch_compile; a minute or two to compile)")
     args = parser.parse_args()
 
     llama_cpp = None
@@ -254,6 +259,8 @@ def main() -> None:
 
     engines, rss, rates, outs = {}, {}, {}, {}
     specs = [("ragkv packed 4-bit (gguf)", dict(quantization="gguf"))]
+    if args.compile:
+        specs.append((COMPILED, dict(quantization="gguf", enable_torch_compile=True)))
     if not args.skip_dense:
         specs.append(("ragkv dequantized float32", dict(quantization="none", dtype="float32")))
     if llama_cpp is not None:
@@ -337,7 +344,8 @@ def main() -> None:
     warm_of, prompts = {}, []
     for name, kwargs in kinds:
         llm = engines[name]
-        full = LLM(**common, **kwargs, enable_chunk_cache=False, enable_prefix_caching=False)
+        eager = {k: v for k, v in kwargs.items() if k != "enable_torch_compile"}  # a prefill
+        full = LLM(**common, **eager, enable_chunk_cache=False, enable_prefix_caching=False)
         ttft(llm, others)  # warm-up, other documents: the target documents stay uncached
         cold, first, cold_out = ttft(llm, orders[0])
         runs_ = [ttft(llm, order) for order in orders[1:]]
@@ -378,6 +386,9 @@ def main() -> None:
     lc_decode = skipped if llama_t is None else f"{rates[packed_name] / rates['llama.cpp']:6.2f} x"
     print(f"\nsummary:\n  decode packed / llama.cpp                    {lc_decode}")
     lc_ttft = skipped if llama_t is None else f"{llama_t / warm_of[packed_name]:6.2f} x"
+    if COMPILED in rates and llama_t is not None:
+        print(f"  decode packed, compiled / llama.cpp          "
+              f"{rates[COMPILED] / rates['llama.cpp']:6.2f} x")
     print(f"  TTFT llama.cpp / ragkv warm (reordered)      {lc_ttft}")
     print(f"  weights held / GGUF file                     "
           f"{packed.engine.weights.weight_bytes / file_bytes:6.2f} x")

@@ -172,6 +172,10 @@ class EngineConfig:
     # Run every step eagerly: no CUDA graphs for decode or short single-sequence extend steps
     # (vLLM's --enforce-eager).
     enforce_eager: bool = False
+    # On the CPU, run decode steps through one torch.compile'd graph (SGLang's
+    # --enable-torch-compile; inductor, which needs a C++ compiler): compiled at start-up,
+    # about a minute per batch kind on 2 cores (model/compiled_decode.py).
+    enable_torch_compile: bool = False
     # Speculative decoding (SpeculativeConfig, or a dict of its settings; None: off).
     speculative_config: SpeculativeConfig | None = None
 
@@ -248,6 +252,11 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")
+        if self.enable_torch_compile and self.enforce_eager:
+            raise ValueError("enable_torch_compile compiles the decode step and enforce_eager "
+                             "runs every step eagerly: give one of them")
+        if self.enable_torch_compile and self.tensor_parallel_size > 1:
+            raise ValueError("enable_torch_compile is not built for tensor parallelism")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

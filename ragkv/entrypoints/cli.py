@@ -179,6 +179,8 @@ def add_engine_args(parser: argparse.ArgumentParser,
                         help="attention kernels: auto = triton on CUDA when it imports, else torch")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no CUDA graphs: run every decode and short extend step eagerly")
+    parser.add_argument("--enable-torch-compile", action="store_true",
+                        help="CPU: decode steps through torch.compile (needs a C++ compiler)")
     parser.add_argument("--debug-checks", action="store_true",
                         help="check the scheduler's invariants after every step")
     parser.add_argument("--speculative-config", type=_json_object, default=None,

@@ -64,7 +64,9 @@ class Linear(nn.Module):
         self.bias = empty_param(out_features, dtype=dtype, device=device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] in _SMALL_BATCH_ROWS and x.device.type == "cpu":
+        # (Not when compiled: the batch is a symbol there, and inductor picks its own GEMM.)
+        if (x.dim() == 2 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and x.shape[0] in _SMALL_BATCH_ROWS):
             out = torch.mm(self.weight, x.t()).t().contiguous()
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)

@@ -95,6 +95,12 @@ class ModelRunner:
             self.extend_graphs = ExtendGraphs(model, pool, self.backend, self.slot_table,
                                               config.max_num_batched_tokens, max_model_len)
             self.capture_graphs()
+        self.compiled = None  # CompiledDecode: the CPU's decode steps through torch.compile
+        if config.enable_torch_compile:
+            from .compiled_decode import CompiledDecode
+
+            self.compiled = CompiledDecode(model, pool, self.slot_table)
+            logger.info("compiled the decode step in %.0f s", self.compiled.warmup())
         self.warmup(min(config.max_num_batched_tokens, max_model_len))
 
     def release(self, seq: SeqKV) -> None:
@@ -145,6 +151,8 @@ class ModelRunner:
             return self.graphs.run(works)
         if self.extend_graphs is not None and self.extend_graphs.can_run(works):
             return self.extend_graphs.run(works)
+        if self.compiled is not None and self.compiled.can_run(works):
+            return self.compiled.run(works)
         table = self.slot_table.table
         prompt_rows = None
         order = list(range(len(works)))

@@ -1,0 +1,214 @@
+"""A compiled decode step for the CPU (`enable_torch_compile`): the model's own forward for a
+batch of decode rows, traced once by `torch.compile` (inductor, which writes C++ and needs a
+C++ compiler at run time), the CPU's counterpart of the CUDA graphs. A CPU decode step of a
+small model is a few hundred tiny torch ops, each paying a few microseconds of dispatch: on
+SmolLM2 with packed weights they cost as much as the matmuls. Inductor fuses them into a few
+loops per layer.
+
+The step reads the KV pool and never writes it: each layer attends over the sequence's cached
+keys (gathered through the slot table inside the fused loops) plus its new key, and the graph
+returns the new keys and values, which one copy per pool writes after it. Written inside the
+graph, the pool (an input of it) would be copied whole at every layer.
+
+Numerics: the same arithmetic as the eager step up to float summation order (the attention's
+softmax over the old keys and the new one, fused loops for the norms), so the logits agree
+within float32 rounding (tests/test_compiled_decode.py), not bit for bit; with packed weights a
+bfloat16 rounding of a layer's input can turn that into a whole bfloat16 step now and then,
+as a batch of another size does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..cache.kv_pool import KVPool
+from .backends.base import AttentionMetadata
+from .layers import apply_rotary
+from .llama import CausalLM
+from .slot_table import SlotTable
+
+logger = logging.getLogger("ragkv")
+
+_META = AttentionMetadata(write_slots=None)  # no dynamic RoPE: nothing per sequence to carry
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                     bias: torch.Tensor, segment: torch.Tensor, turn_cos: torch.Tensor,
+                     turn_sin: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row per sequence: q [B, heads, d] over the cached keys `k_cache[index]`
+    (index [B, n], bias [B, n]: 0 for a key, -inf for padding) and its own new k, v
+    [B, kv_heads, d]. A cached key in a turned range (model/reposition.py) is scored against
+    the query turned back by the range's delta: `segment` [B, n] picks each key's turn among
+    the row's m (`turn_cos`, `turn_sin` [B, m, d]; turn 0 is none: cos 1, sin 0). Written as
+    products and sums, which inductor turns into loops that read the cache in place (a matmul
+    would gather a copy first). Float32 inside."""
+    b, heads, d = q.shape
+    kv_heads, m = k.shape[1], turn_cos.shape[1]
+    group = heads // kv_heads
+    qf = q.float()
+    turned = apply_rotary(qf[:, None].expand(b, m, heads, d).reshape(b * m, heads, d),
+                          turn_cos.reshape(b * m, d), turn_sin.reshape(b * m, d))
+    turned = turned.view(b, m, kv_heads, group, d)
+    # Laid out [B, kv_heads, n, group, d]: each loop then runs along d, where the cache rows
+    # are contiguous (along n, inductor would gather one float at a time).
+    q_of = turned[torch.arange(b, device=q.device)[:, None], segment].permute(0, 2, 1, 3, 4)
+    old_k = k_cache[index].float().permute(0, 2, 1, 3).unsqueeze(3)  # [B, kvh, n, 1, d]
+    old_v = v_cache[index].float().permute(0, 2, 1, 3).unsqueeze(3)
+    scores = (q_of * old_k).sum(-1) * scale + bias[:, None, :, None]  # [B, kvh, n, g]
+    qg = qf.view(b, kv_heads, group, d)
+    new = (qg * k.float().unsqueeze(2)).sum(-1) * scale  # [B, kvh, g]
+    top = torch.maximum(scores.amax(2), new)
+    p_old, p_new = (scores - top.unsqueeze(2)).exp(), (new - top).exp()
+    total = p_old.sum(2) + p_new  # [B, kvh, g]
+    out = ((p_old.unsqueeze(-1) * old_v).sum(2) + p_new.unsqueeze(-1) * v.float().unsqueeze(2))
+    out = out / total.unsqueeze(-1)
+    return out.reshape(b, heads, d).to(q.dtype)
+
+
+class _ReadOnlyAttention:
+    """The attention backend of a compiled step: reads the pool, collects the new K/V."""
+
+    name = "compiled-decode"
+    fused_ops: frozenset[str] = frozenset()
+
+    def __init__(self, index: torch.Tensor, bias: torch.Tensor, segment: torch.Tensor,
+                 turn_cos: torch.Tensor, turn_sin: torch.Tensor) -> None:
+        self.index, self.bias = index, bias
+        self.turns = segment, turn_cos, turn_sin
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.keys.append(k)
+        self.values.append(v)
+        return decode_attention(q, k, v, pool.k[layer], pool.v[layer], self.index, self.bias,
+                                *self.turns, scale)
+
+
+def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
+          index: torch.Tensor, bias: torch.Tensor, segment: torch.Tensor,
+          turn_cos: torch.Tensor, turn_sin: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits [B, vocab] of one decode row per sequence, and the new keys and values
+    [layers, B, kv_heads, d] to write."""
+    attention = _ReadOnlyAttention(index, bias, segment, turn_cos, turn_sin)
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    logits = model.forward(ids, positions, rows, pool, _META, attention, prompt_rows=0)
+    return logits, torch.stack(attention.keys), torch.stack(attention.values)
+
+
+class CompiledDecode:
+    """Runs pure decode steps (one new token per sequence, its KV list the whole row so far)
+    through the compiled step; `can_run` says which steps it takes, the runner runs the rest
+    eagerly."""
+
+    def __init__(self, model: CausalLM, pool: KVPool, slot_table: SlotTable) -> None:
+        reason = self.unsupported(model, pool.kv.device)
+        if reason is not None:
+            raise ValueError(f"enable_torch_compile: {reason}")
+        self.model, self.pool, self.slot_table = model, pool, slot_table
+        self.head_dim = pool.k.shape[-1]
+        self._turns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Only the batch, the cached length and the number of turns vary (marked in
+        # `warmup`): the weights' and the pool's shapes stay constants of the generated code.
+        self.step = torch.compile(_step, fullgraph=True)
+
+    @staticmethod
+    def unsupported(model: CausalLM, device: torch.device) -> str | None:
+        """Why the decode steps of `model` on `device` cannot be compiled, or None."""
+        if device.type != "cpu":
+            return ("it compiles the CPU's decode step; on CUDA, decode runs in CUDA graphs "
+                    "(the default)")
+        if model.has_windows:
+            return "not built for sliding-window attention"
+        if any(r.dynamic for r in model.rotaries):
+            return "not built for dynamic-NTK RoPE"
+        if model.tp.size > 1:
+            return "not built for tensor parallelism"
+        return None
+
+    def can_run(self, works: Sequence) -> bool:
+        for w in works:
+            spans = w.kv_spans
+            if (len(w.token_ids) != 1 or len(spans) != 1 or spans[0][0] != 0 or not w.sample
+                    or w.query_index is not None or w.key_positions is not None):
+                return False
+        return bool(works)
+
+    def run(self, works: Sequence) -> torch.Tensor:
+        host = torch.tensor([[w.token_ids[0] for w in works], [w.positions[0] for w in works],
+                             [w.kv.row for w in works], [w.kv_spans[0][1] for w in works]])
+        ids, positions, rows, lens = host  # the pool is on the CPU: no transfer
+        # The cached keys before the new token, at least 2 columns, and at least one turn
+        # besides "none" (as compiled: `warmup`).
+        width = max(2, int(lens.max()) - 1)
+        turns = max(2, 1 + max(len(w.turns) for w in works))
+        table = self.slot_table.table
+        index = table[rows, :width].long()
+        cached = torch.arange(width)[None, :] < (lens - 1)[:, None]
+        bias = torch.zeros(cached.shape, dtype=torch.float32)
+        bias.masked_fill_(~cached, float("-inf"))
+        index.masked_fill_(~cached, 0)  # slot 0: zeros (KVPool), never NaN
+        segment = torch.zeros(len(works), width, dtype=torch.long)
+        cos = torch.ones(len(works), turns, self.head_dim)
+        sin = torch.zeros(len(works), turns, self.head_dim)
+        for i, w in enumerate(works):
+            for j, (start, end, delta) in enumerate(w.turns, 1):
+                segment[i, start:end] = j
+                cos[i, j], sin[i, j] = self._turn_back(delta)
+        # Dynamo's guards over the model's few hundred tensors cost ~4% of a SmolLM2 step;
+        # only those that tell the two graphs apart run. The rest cannot fail between steps:
+        # the same model, pool and (inference-mode) input kinds every time.
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            logits, keys, values = self.step(self.model, self.pool, ids, positions, index, bias,
+                                             segment, cos, sin)
+        slots = table[rows, lens - 1].long()
+        self.pool.k.index_copy_(1, slots, keys)
+        self.pool.v.index_copy_(1, slots, values)
+        return logits
+
+    def _turn_back(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [d] turning a query back by `delta` (a request's deltas stay the same
+        through its decode steps: kept, a few thousand at most)."""
+        if delta not in self._turns:
+            if len(self._turns) > 4096:
+                self._turns.clear()
+            cos, sin = self.model.rotaries[0].rotation([delta])
+            self._turns[delta] = cos[0], -sin[0]
+        return self._turns[delta]
+
+    @torch.inference_mode()  # as the engine's steps run: grad mode is part of the graph's key
+    def warmup(self) -> float:
+        """Compile the step for one sequence and for any larger batch, for every cached
+        length from 2, before a request waits for it; reads slot 0, writes nothing. Returns
+        the seconds it took. torch.compile specializes sizes 0 and 1, hence two graphs and
+        widths of at least 2; no duck sizing, which would tie a batch or a width to an equal
+        weight dimension and compile again when they part."""
+        start = time.perf_counter()
+        for batch in (1, 2):
+            ids = torch.zeros(batch, dtype=torch.long)
+            positions = torch.full((batch,), 2, dtype=torch.long)
+            index = torch.zeros(batch, 2, dtype=torch.long)
+            bias = torch.zeros(batch, 2, dtype=torch.float32)
+            segment = torch.zeros(batch, 2, dtype=torch.long)
+            cos = torch.ones(batch, 2, self.head_dim)
+            sin = torch.zeros(batch, 2, self.head_dim)
+            for t in (index, bias, segment, cos, sin):
+                torch._dynamo.mark_dynamic(t, 1)
+            if batch > 1:
+                for t in (ids, positions, index, bias, segment, cos, sin):
+                    torch._dynamo.mark_dynamic(t, 0)
+            try:
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    self.step(self.model, self.pool, ids, positions, index, bias, segment, cos,
+                              sin)
+            except Exception as e:
+                raise RuntimeError(f"enable_torch_compile: compiling the decode step failed "
+                                   f"(inductor needs a working C++ compiler): {e}") from e
+        return time.perf_counter() - start

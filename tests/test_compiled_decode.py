@@ -1,0 +1,161 @@
+"""Decode steps through torch.compile on the CPU (`enable_torch_compile`,
+model/compiled_decode.py): the attention it computes against SDPA, and engines with the flag
+against the same checkpoint run eagerly (the eager engine is checked against HF elsewhere),
+dense float32 and packed GGUF weights, plain and RAG requests, single and batched. Compiling
+needs a C++ compiler (inductor); each engine compiles two graphs (batch 1 and larger), a few
+seconds each for these tiny models."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_prompt
+from test_quantized_linear import gguf_file  # noqa: F401 (fixture)
+
+from ragkv import LLM, RAGPrompt, SamplingParams
+from ragkv.config import EngineConfig
+from ragkv.entrypoints.cli import build_parser, engine_kwargs
+from ragkv.model.compiled_decode import CompiledDecode, decode_attention
+from ragkv.model.layers import apply_rotary
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("c++") is None and shutil.which("g++") is None,
+    reason="torch.compile (inductor) needs a C++ compiler")
+
+
+def test_decode_attention_matches_sdpa():
+    """Per sequence: softmax over its cached keys (gathered by index, padding masked, some in
+    turned ranges) and its new key, grouped query heads; against SDPA over the same keys in
+    order, the turned ones rotated forward by their turn."""
+    torch.manual_seed(0)
+    heads, kv_heads, d, slots = 6, 2, 16, 40
+    k_cache, v_cache = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+    lens = [7, 3, 12]  # cached keys per sequence
+    width, m = max(lens), 3
+    index = torch.zeros(len(lens), width, dtype=torch.long)
+    bias = torch.full((len(lens), width), float("-inf"))
+    segment = torch.zeros(len(lens), width, dtype=torch.long)
+    segment[0, 2:5], segment[2, 1:4], segment[2, 6:11] = 1, 2, 1
+    angles = torch.rand(len(lens), m, d // 2) * 6
+    angles[:, 0] = 0  # turn 0: none
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    for i, n in enumerate(lens):
+        index[i, :n] = torch.randperm(slots - 1)[:n] + 1
+        bias[i, :n] = 0
+    q = torch.randn(len(lens), heads, d)
+    k, v = torch.randn(len(lens), kv_heads, d), torch.randn(len(lens), kv_heads, d)
+    out = decode_attention(q, k, v, k_cache, v_cache, index, bias, segment, cos, -sin, 0.3)
+    for i, n in enumerate(lens):
+        turned = torch.stack([apply_rotary(k_cache[index[i, j]][None], cos[i, segment[i, j]][None],
+                                           sin[i, segment[i, j]][None])[0] for j in range(n)])
+        keys = torch.cat((turned, k[i:i + 1]))  # [n + 1, kv_heads, d]
+        values = torch.cat((v_cache[index[i, :n]], v[i:i + 1]))
+        ref = F.scaled_dot_product_attention(
+            q[i:i + 1].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), scale=0.3, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+
+
+def count_compiled_steps(monkeypatch) -> list[int]:
+    """Counts the steps that run compiled (their batch sizes), so a test can tell the
+    compiled path ran."""
+    sizes: list[int] = []
+    run = CompiledDecode.run
+
+    def counted(self, works):
+        sizes.append(len(works))
+        return run(self, works)
+
+    monkeypatch.setattr(CompiledDecode, "run", counted)
+    return sizes
+
+
+def first_logprobs(outputs) -> list[list[float]]:
+    return [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outputs]
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compiled_decode_matches_eager_dense(checkpoint, monkeypatch, family):
+    """float32 weights: the same greedy tokens as the eager engine and log-probabilities
+    within float32 rounding, for one request and for a batch of three of different lengths
+    (the padded cached keys masked); every slot comes back. Qwen3: its q/k norms too."""
+    path = checkpoint(family)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (5, 40, 17)]
+    eager = LLM(path, device="cpu")
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    sizes = count_compiled_steps(monkeypatch)
+    llm = LLM(path, device="cpu", enable_torch_compile=True)
+    alone = llm.generate(prompts[:1], params, use_tqdm=False)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert 1 in sizes and 3 in sizes  # both graphs ran
+    for got in (alone, together):
+        for g, e in zip(got, expected, strict=False):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        for lg, le in zip(first_logprobs(got), first_logprobs(expected), strict=False):
+            assert max(abs(a - b) for a, b in zip(lg, le, strict=True)) < 1e-4
+    llm.check_integrity()
+
+
+@needs_compiler
+def test_compiled_decode_packed_weights(gguf_file, checkpoint, monkeypatch):  # noqa: F811
+    """Packed GGUF weights: the compiled step takes the int4 kernel as the eager decode rows
+    do; the same greedy tokens as the eager engine on the same file."""
+    path = gguf_file("llama")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": random_prompt(n, seed=60 + n)} for n in (9, 30)]
+    eager = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf")
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    sizes = count_compiled_steps(monkeypatch)
+    llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf", enable_torch_compile=True)
+    assert llm.engine.weights.int4_layers > 0
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert sizes and got == expected
+    llm.check_integrity()
+
+
+@needs_compiler
+def test_compiled_decode_rag_warm_and_cold(checkpoint, monkeypatch):
+    """RAG requests in the default layout: decode steps over reused chunks (whose keys were
+    turned to their new positions) give the eager engine's answers, cold and warm."""
+    path = checkpoint("llama")
+    system = random_prompt(7, seed=1)
+    chunks = [random_prompt(n, seed=20 + n) for n in (30, 22)]
+    question = random_prompt(5, seed=2)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager = LLM(path, device="cpu")
+    expected = eager.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)
+    sizes = count_compiled_steps(monkeypatch)
+    llm = LLM(path, device="cpu", enable_torch_compile=True)
+    for order in (chunks, chunks[::-1], chunks):
+        out = llm.generate(RAGPrompt(system, order, question), params, use_tqdm=False)[0]
+        ref = eager.generate(RAGPrompt(system, order, question), params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert out.metrics.num_chunk_hits == 2
+    assert expected[0].outputs[0].token_ids  # the eager engine answered too
+    assert sizes
+    llm.check_integrity()
+
+
+def test_flag_from_the_command_line_and_its_conflicts():
+    args = build_parser().parse_args(["generate", "builtin:tiny", "--prompt", "hi",
+                                     "--enable-torch-compile"])
+    assert engine_kwargs(args)["enable_torch_compile"] is True
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(model="builtin:tiny", enable_torch_compile=True, enforce_eager=True)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(model="builtin:tiny", enable_torch_compile=True, tensor_parallel_size=2)
+
+
+def test_unsupported_setups_are_refused_with_the_reason(checkpoint):
+    llm = LLM(checkpoint("llama"), device="cpu")
+    model = llm.engine.model
+    assert CompiledDecode.unsupported(model, torch.device("cpu")) is None
+    assert "CUDA graphs" in CompiledDecode.unsupported(model, torch.device("cuda"))
+    for family, reason in (("mistral_window", "sliding-window"), ("dynamic", "dynamic-NTK")):
+        with pytest.raises(ValueError, match=f"enable_torch_compile: not built for {reason}"):
+            LLM(checkpoint(family), device="cpu", enable_torch_compile=True)
