@@ -257,6 +257,9 @@ class EngineConfig:
                              "runs every step eagerly: give one of them")
         if self.enable_torch_compile and self.tensor_parallel_size > 1:
             raise ValueError("enable_torch_compile is not built for tensor parallelism")
+        if self.enable_torch_compile and self.device.startswith("cuda"):
+            raise ValueError("enable_torch_compile compiles the CPU's decode step; on CUDA, "
+                             "decode runs in CUDA graphs (the default)")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -7,7 +7,10 @@ seconds each for these tiny models."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ from ragkv.config import EngineConfig
 from ragkv.entrypoints.cli import build_parser, engine_kwargs
 from ragkv.model.compiled_decode import CompiledDecode, decode_attention
 from ragkv.model.layers import apply_rotary
+from ragkv.model.quantized_linear import KERNEL_MAX_ROWS
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("c++") is None and shutil.which("g++") is None,
@@ -92,7 +96,7 @@ def test_compiled_decode_matches_eager_dense(checkpoint, monkeypatch, family):
     llm = LLM(path, device="cpu", enable_torch_compile=True)
     alone = llm.generate(prompts[:1], params, use_tqdm=False)
     together = llm.generate(prompts, params, use_tqdm=False)
-    assert 1 in sizes and 3 in sizes  # both graphs ran
+    assert 1 in sizes and 3 in sizes  # steps of one and of several ran compiled
     for got in (alone, together):
         for g, e in zip(got, expected, strict=False):
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
@@ -115,6 +119,47 @@ def test_compiled_decode_packed_weights(gguf_file, checkpoint, monkeypatch):  # 
     assert llm.engine.weights.int4_layers > 0
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert sizes and got == expected
+    llm.check_integrity()
+
+
+@needs_compiler
+def test_packed_long_prompt_last_token_keeps_its_path(gguf_file, checkpoint):  # noqa: F811
+    """A prompt of more than KERNEL_MAX_ROWS tokens found whole in the prefix cache leaves
+    one token to compute: a one-token sampled step like a decode, whose row eager steps send
+    to the dense path (by its request's prompt length). It must not run compiled, on the
+    kernel: the warm first token's log-probability is the eager engine's, bit for bit."""
+    path = gguf_file("llama")
+    prompt = {"prompt_token_ids": random_prompt(KERNEL_MAX_ROWS + 20, seed=7)}
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=1)
+    first = {}
+    for flag in (False, True):
+        llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf",
+                  enable_torch_compile=flag)
+        llm.generate([prompt], params, use_tqdm=False)  # cold: the prompt enters the cache
+        warm = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert warm.num_cached_tokens == KERNEL_MAX_ROWS + 19
+        first[flag] = warm.outputs[0].logprobs[0]
+        llm.check_integrity()
+    assert first[True] == first[False]
+
+
+@needs_compiler
+def test_compiled_decode_rag_batch_of_different_lengths(checkpoint, monkeypatch):
+    """Two RAG requests decoded together, each with its own turned ranges and length."""
+    path = checkpoint("llama")
+    system = random_prompt(7, seed=1)
+    chunks = [random_prompt(n, seed=40 + n) for n in (26, 18, 31)]
+    prompts = [RAGPrompt(system, chunks[:2], random_prompt(4, seed=3)),
+               RAGPrompt(system, chunks[::-1], random_prompt(9, seed=4))]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager = LLM(path, device="cpu")
+    sizes = count_compiled_steps(monkeypatch)
+    llm = LLM(path, device="cpu", enable_torch_compile=True)
+    for _ in range(2):  # cold, then warm (the chunks reused at new places)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        ref = eager.generate(prompts, params, use_tqdm=False)
+        assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
+    assert 2 in sizes
     llm.check_integrity()
 
 
@@ -149,6 +194,8 @@ def test_flag_from_the_command_line_and_its_conflicts():
         EngineConfig(model="builtin:tiny", enable_torch_compile=True, enforce_eager=True)
     with pytest.raises(ValueError, match="tensor parallelism"):
         EngineConfig(model="builtin:tiny", enable_torch_compile=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        EngineConfig(model="builtin:tiny", enable_torch_compile=True, device="cuda")
 
 
 def test_unsupported_setups_are_refused_with_the_reason(checkpoint):
@@ -159,3 +206,22 @@ def test_unsupported_setups_are_refused_with_the_reason(checkpoint):
     for family, reason in (("mistral_window", "sliding-window"), ("dynamic", "dynamic-NTK")):
         with pytest.raises(ValueError, match=f"enable_torch_compile: not built for {reason}"):
             LLM(checkpoint(family), device="cpu", enable_torch_compile=True)
+
+
+@needs_compiler
+def test_bench_script_compares_eager_and_compiled():
+    """benchmarks/bench_compiled_decode.py on float32 weights: every workload's row, and the
+    two engines give the same outputs."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "bench_compiled_decode.py"),
+         "--model", "builtin:tiny", "--quantization", "none", "--max-tokens", "8",
+         "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(
+        ("plain", "RAG"))]
+    assert len(rows) == 5
+    for row in rows:
+        same, total = row[-1].split("/")
+        assert same == total
+        float(row[-2].rstrip("x"))  # a ratio (its value is noise at this size)

@@ -19,7 +19,7 @@ as a batch of another size does.
 
 from __future__ import annotations
 
-import logging
+import inspect
 import time
 from collections.abc import Sequence
 
@@ -29,9 +29,8 @@ from ..cache.kv_pool import KVPool
 from .backends.base import AttentionMetadata
 from .layers import apply_rotary
 from .llama import CausalLM
+from .quantized_linear import KERNEL_MAX_ROWS, takes_kernel
 from .slot_table import SlotTable
-
-logger = logging.getLogger("ragkv")
 
 _META = AttentionMetadata(write_slots=None)  # no dynamic RoPE: nothing per sequence to carry
 
@@ -104,9 +103,9 @@ def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Ten
 
 
 class CompiledDecode:
-    """Runs pure decode steps (one new token per sequence, its KV list the whole row so far)
-    through the compiled step; `can_run` says which steps it takes, the runner runs the rest
-    eagerly."""
+    """Runs decode steps (one new token per sequence, sampled, over a prefix (0, end) of its
+    slot-table row) through the compiled step; `can_run` says which steps it takes, the
+    runner runs the rest eagerly."""
 
     def __init__(self, model: CausalLM, pool: KVPool, slot_table: SlotTable) -> None:
         reason = self.unsupported(model, pool.kv.device)
@@ -117,7 +116,9 @@ class CompiledDecode:
         self._turns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Only the batch, the cached length and the number of turns vary (marked in
         # `warmup`): the weights' and the pool's shapes stay constants of the generated code.
-        self.step = torch.compile(_step, fullgraph=True)
+        # This engine's own graphs: by default every torch.compile of one function shares
+        # one cache, whose entries other engines' models would count against its limit.
+        self.step = torch.compile(_step, fullgraph=True, isolate_recompiles=True)
 
     @staticmethod
     def unsupported(model: CausalLM, device: torch.device) -> str | None:
@@ -125,6 +126,8 @@ class CompiledDecode:
         if device.type != "cpu":
             return ("it compiles the CPU's decode step; on CUDA, decode runs in CUDA graphs "
                     "(the default)")
+        if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+            return f"torch {torch.__version__} is too old (no isolate_recompiles)"
         if model.has_windows:
             return "not built for sliding-window attention"
         if any(r.dynamic for r in model.rotaries):
@@ -134,10 +137,17 @@ class CompiledDecode:
         return None
 
     def can_run(self, works: Sequence) -> bool:
+        packed = self.model.route is not None
+        # Packed weights: the graph runs every row on the int4 kernel, and the LM head
+        # (routed by size) on the kernel too up to KERNEL_MAX_ROWS rows: a prompt's last
+        # token that eager steps send to the dense path, or a larger batch, runs eagerly.
+        if packed and len(works) > KERNEL_MAX_ROWS:
+            return False
         for w in works:
             spans = w.kv_spans
             if (len(w.token_ids) != 1 or len(spans) != 1 or spans[0][0] != 0 or not w.sample
-                    or w.query_index is not None or w.key_positions is not None):
+                    or w.query_index is not None or w.key_positions is not None
+                    or packed and not takes_kernel(w.end - 1, w.prompt_len)):
                 return False
         return bool(works)
 
@@ -209,6 +219,7 @@ class CompiledDecode:
                     self.step(self.model, self.pool, ids, positions, index, bias, segment, cos,
                               sin)
             except Exception as e:
-                raise RuntimeError(f"enable_torch_compile: compiling the decode step failed "
-                                   f"(inductor needs a working C++ compiler): {e}") from e
+                raise RuntimeError(f"enable_torch_compile: compiling the decode step failed: "
+                                   f"{type(e).__name__}: {e} (inductor needs a working C++ "
+                                   "compiler)") from e
         return time.perf_counter() - start

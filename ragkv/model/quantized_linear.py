@@ -73,6 +73,14 @@ def prompt_dtype() -> torch.dtype:
     return _prompt_dtype
 
 
+def takes_kernel(start: int, prompt_len: int) -> bool:
+    """Whether the rows of a work whose first new token is token `start` of its request take
+    the int4 kernel: generated tokens (decode, drafts), and every row of a prompt short
+    enough for the kernel to be the faster; the other prompt rows take the dense path. A
+    token's path thus depends on its request, never on the step."""
+    return start >= prompt_len or prompt_len <= KERNEL_MAX_ROWS
+
+
 def pin_prompt_dtype(dtype: torch.dtype) -> None:
     """Take `dtype` as prompt_dtype()'s choice (a tensor-parallel worker takes rank 0's)."""
     global _prompt_dtype

@@ -23,7 +23,7 @@ from ..sampling.noise import uniform_noise
 from .backends.base import AttentionBackend, AttentionBatch, AttentionMetadata
 from .backends.registry import get_attention_backend
 from .llama import CausalLM
-from .quantized_linear import KERNEL_MAX_ROWS
+from .quantized_linear import takes_kernel
 from .reposition import Turn, TurnTable
 from .slot_table import PAD_ROW, SlotTable
 
@@ -163,8 +163,7 @@ class ModelRunner:
             # the faster (a chat turn: 3x on a 32-token prompt where bfloat16 is native).
             # Either way a token's path depends on its request, never on the step. The
             # logits still come back in the works' order.
-            kernel = [w.end - len(w.token_ids) >= w.prompt_len
-                      or w.prompt_len <= KERNEL_MAX_ROWS for w in works]
+            kernel = [takes_kernel(w.end - len(w.token_ids), w.prompt_len) for w in works]
             order.sort(key=kernel.__getitem__)
             prompt_rows = sum(len(w.token_ids) for w, k in zip(works, kernel, strict=True)
                               if not k)
