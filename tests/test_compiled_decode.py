@@ -186,6 +186,25 @@ def test_compiled_decode_rag_warm_and_cold(checkpoint, monkeypatch):
     llm.check_integrity()
 
 
+@needs_compiler
+def test_compiled_decode_after_sleep_and_wake(checkpoint, monkeypatch):
+    """The compiled graphs hold the weights as constants (frozen) and read the pool as an
+    input: after sleep (the pool's memory freed) and wake (allocated again), decode reads the
+    new memory and answers as before."""
+    path = checkpoint("llama")
+    prompt = [{"prompt_token_ids": random_prompt(12, seed=5)}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    sizes = count_compiled_steps(monkeypatch)
+    llm = LLM(path, device="cpu", enable_torch_compile=True)
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    llm.sleep()
+    llm.wake_up()
+    after = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    assert len(sizes) >= 14  # both requests' decode steps ran compiled
+    llm.check_integrity()
+
+
 def test_flag_from_the_command_line_and_its_conflicts():
     args = build_parser().parse_args(["generate", "builtin:tiny", "--prompt", "hi",
                                      "--enable-torch-compile"])
