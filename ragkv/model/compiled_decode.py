@@ -31,6 +31,7 @@ from .backends.base import AttentionMetadata
 from .layers import apply_rotary
 from .llama import CausalLM
 from .quantized_linear import KERNEL_MAX_ROWS, takes_kernel
+from .reposition import TurnTable
 from .slot_table import SlotTable
 
 _META = AttentionMetadata(write_slots=None)  # no dynamic RoPE: nothing per sequence to carry
@@ -190,8 +191,8 @@ class CompiledDecode:
         if delta not in self._turns:
             if len(self._turns) > 4096:
                 self._turns.clear()
-            cos, sin = self.model.rotaries[0].rotation([delta])
-            self._turns[delta] = cos[0], -sin[0]
+            cos, sin = TurnTable.build(self.model.rotaries[0], [delta]).for_queries()
+            self._turns[delta] = cos[0], sin[0]
         return self._turns[delta]
 
     @torch.inference_mode()  # as the engine's steps run: grad mode is part of the graph's key
