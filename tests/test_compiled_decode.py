@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_prompt
 from test_quantized_linear import gguf_file  # noqa: F401 (fixture)
+from test_rag import make_llm, rag, rag_scenarios, run
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
@@ -103,6 +104,28 @@ def test_compiled_decode_matches_eager_dense(checkpoint, monkeypatch, family):
         for lg, le in zip(first_logprobs(got), first_logprobs(expected), strict=False):
             assert max(abs(a - b) for a, b in zip(lg, le, strict=True)) < 1e-4
     llm.check_integrity()
+
+
+@needs_compiler
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compiled_decode_matches_the_one_pass_reference(family, checkpoint, hf_model,
+                                                        monkeypatch):
+    """Against HF's one-pass reference (tests/reference.py): the RAG scenarios of
+    tests/test_rag.py (cold, warm, hits and misses, batches; shared positions) and sequential
+    layouts, whose chunks decode over turned ranges, cold, then warm in a new order in a batch."""
+    sizes = count_compiled_steps(monkeypatch)
+    path = checkpoint(family)
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,
+                   enable_torch_compile=True)
+    hf = hf_model(path)
+    rag_scenarios(llm, hf)
+    system, question = random_prompt(9, seed=1), random_prompt(6, seed=4)
+    a, b = random_prompt(19, seed=31), random_prompt(13, seed=32)
+    sequential = ("sequential", "isolated")
+    run(llm, hf, [rag(system, [a, b], question, layout=sequential)], ["MM"])
+    run(llm, hf, [rag(system, [b, a], question, layout=sequential),
+                  rag(system, [a], random_prompt(4, seed=5), layout=sequential)], ["HH", "H"])
+    assert 1 in sizes and 2 in sizes
 
 
 @needs_compiler
