@@ -2,17 +2,21 @@
 process on SmolLM2 with packed weights: tokens/s of plain prompts at batch 1, 4 and 8, and of
 RAG answers (eval-suite items whose documents are cached and come back reordered, so decode
 reads turned ranges) at batch 1 and 8; T(n + 1) - T(1) of `LLM.generate`, medians of
---repeats interleaved runs; and how many outputs are the same both ways. The compiled engine
-compiles its two graphs at load (minutes on 2 cores the first time, seconds from inductor's
-disk cache).
+--repeats interleaved runs; and how many outputs are the same as the eager engine's. The
+compiled engine compiles its two graphs at load (minutes on 2 cores the first time, seconds
+from inductor's disk cache). With --speculative-config, two more engines draft from the
+prompt (eager and compiled; a token and its drafts are verified in the compiled step too).
 
     python benchmarks/bench_compiled_decode.py
     python benchmarks/bench_compiled_decode.py --model builtin:small --quantization none
+    python benchmarks/bench_compiled_decode.py --speculative-config \
+        '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -24,6 +28,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="also eager and compiled engines drafting with this config")
     args = parser.parse_args()
 
     import torch
@@ -40,6 +46,10 @@ def main() -> None:
     print(f"{args.model} ({args.quantization}): compiled engine loaded in "
           f"{time.perf_counter() - start:.0f} s")
     engines = {"eager": eager, "compiled": compiled}
+    if args.speculative_config:
+        spec = {"speculative_config": args.speculative_config}
+        engines["eager+drafts"] = LLM(**common, **spec)
+        engines["compiled+drafts"] = LLM(**common, enable_torch_compile=True, **spec)
     n = args.max_tokens
 
     def rate(llm, prompts) -> tuple[float, list[list[int]]]:
@@ -60,13 +70,18 @@ def main() -> None:
             for key, llm in engines.items():
                 r, outs[key] = rate(llm, make_prompts(rep))
                 rates[key].append(r)
-        e, c = (statistics.median(rates[k]) for k in ("eager", "compiled"))
-        same = sum(a == b for a, b in zip(outs["eager"], outs["compiled"], strict=True))
-        print(f"  {name:<34} {e:8.1f} {c:10.1f} {c / e:7.2f}x  {same}/{len(outs['eager'])}",
-              flush=True)
+        e = statistics.median(rates["eager"])
+        cells = [f"{e:8.1f}"]
+        for key in list(engines)[1:]:
+            r = statistics.median(rates[key])
+            same = sum(a == b for a, b in zip(outs["eager"], outs[key], strict=True))
+            cells.append(f"{r:8.1f} {r / e:5.2f}x {same}/{len(outs['eager'])}")
+        print(f"  {name:<34} " + "  ".join(cells), flush=True)
 
-    print(f"\ndecode tok/s, {n} greedy tokens, medians of {args.repeats}:")
-    print(f"  {'workload':<34} {'eager':>8} {'compiled':>10} {'ratio':>8}  same output")
+    print(f"\ndecode tok/s, {n} greedy tokens, medians of {args.repeats}; each engine's "
+          "tok/s, its ratio to eager, its outputs the same as eager's:")
+    print(f"  {'workload':<34} " + "  ".join(f"{k:>8}" if k == "eager" else f"{k:>20}"
+                                              for k in engines))
     topics = ["cat", "dog", "ship", "tree", "robot", "king", "bird", "river"]
     for batch in (1, 4, 8):
         prompts = [f"Write a story about a {t}." for t in topics[:batch]]

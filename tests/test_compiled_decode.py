@@ -33,12 +33,14 @@ needs_compiler = pytest.mark.skipif(
 
 def test_decode_attention_matches_sdpa():
     """Per sequence: softmax over its cached keys (gathered by index, padding masked, some in
-    turned ranges) and its new key, grouped query heads; against SDPA over the same keys in
-    order, the turned ones rotated forward by their turn."""
+    turned ranges) and its new keys up to the row's own (one for a decode row, several for a
+    token and its drafts, causal among them), grouped query heads; against SDPA over the same
+    keys in order, the turned ones rotated forward by their turn."""
     torch.manual_seed(0)
     heads, kv_heads, d, slots = 6, 2, 16, 40
     k_cache, v_cache = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
     lens = [7, 3, 12]  # cached keys per sequence
+    news = [1, 4, 2]  # new tokens per sequence
     width, m = max(lens), 3
     index = torch.zeros(len(lens), width, dtype=torch.long)
     bias = torch.full((len(lens), width), float("-inf"))
@@ -50,18 +52,29 @@ def test_decode_attention_matches_sdpa():
     for i, n in enumerate(lens):
         index[i, :n] = torch.randperm(slots - 1)[:n] + 1
         bias[i, :n] = 0
-    q = torch.randn(len(lens), heads, d)
-    k, v = torch.randn(len(lens), kv_heads, d), torch.randn(len(lens), kv_heads, d)
-    out = decode_attention(q, k, v, k_cache, v_cache, index, bias, segment, cos, -sin, 0.3)
-    for i, n in enumerate(lens):
+    of = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(news))
+    t = len(of)
+    q = torch.randn(t, heads, d)
+    k, v = torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
+    rows = torch.arange(t)
+    new_bias = torch.zeros(t, t).masked_fill_(
+        (of[:, None] != of[None, :]) | (rows[None, :] > rows[:, None]), float("-inf"))
+    out = decode_attention(q, k, v, k_cache, v_cache, index[of], bias[of], segment[of],
+                           cos[of], -sin[of], new_bias, 0.3)
+    start = 0
+    for i, (n, new) in enumerate(zip(lens, news, strict=True)):
         turned = torch.stack([apply_rotary(k_cache[index[i, j]][None], cos[i, segment[i, j]][None],
                                            sin[i, segment[i, j]][None])[0] for j in range(n)])
-        keys = torch.cat((turned, k[i:i + 1]))  # [n + 1, kv_heads, d]
-        values = torch.cat((v_cache[index[i, :n]], v[i:i + 1]))
+        own = slice(start, start + new)
+        keys = torch.cat((turned, k[own]))  # [n + new, kv_heads, d]
+        values = torch.cat((v_cache[index[i, :n]], v[own]))
+        mask = torch.ones(new, n + new, dtype=torch.bool).tril(n)  # bottom-right causal
         ref = F.scaled_dot_product_attention(
-            q[i:i + 1].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0), scale=0.3, enable_gqa=True)[0].transpose(0, 1)
-        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+            q[own].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=0.3,
+            enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[own], ref, rtol=1e-5, atol=1e-5)
+        start += new
 
 
 def count_compiled_steps(monkeypatch) -> list[int]:
@@ -209,6 +222,53 @@ def test_compiled_decode_rag_warm_and_cold(checkpoint, monkeypatch):
     llm.check_integrity()
 
 
+def count_compiled_rows(monkeypatch) -> list[tuple[int, int]]:
+    """(works, rows) of each step that runs compiled: rows > works where drafts were verified."""
+    steps: list[tuple[int, int]] = []
+    run_step = CompiledDecode.run
+
+    def counted(self, works):
+        steps.append((len(works), sum(len(w.token_ids) for w in works)))
+        return run_step(self, works)
+
+    monkeypatch.setattr(CompiledDecode, "run", counted)
+    return steps
+
+
+@needs_compiler
+@pytest.mark.parametrize("packed", [False, True])
+def test_drafts_are_verified_compiled(packed, checkpoint, gguf_file, monkeypatch):  # noqa: F811
+    """Speculative decoding (prompt lookup): a token and its drafts are verified in the
+    compiled step, each row seeing its sequence's new keys causally, alone and in a batch with
+    plain decode rows, over a RAG request's turned ranges too. Greedy tokens equal the eager
+    engine's without drafts, log-probabilities within float32 rounding on float32 weights;
+    drafts are kept and rejected; every slot comes back."""
+    from test_speculative import SPEC, _drafts, _prompts
+
+    path = gguf_file("llama") if packed else checkpoint("llama")
+    kwargs = {"quantization": "gguf", "tokenizer": checkpoint("llama")} if packed else {}
+    system = random_prompt(7, seed=1)
+    chunks = [random_prompt(n, seed=50 + n) for n in (26, 18)]
+    loop = random_prompt(5, seed=9)
+    prompts = [*_prompts(), RAGPrompt(system, chunks, random_prompt(3, seed=2) + loop * 3)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
+    eager = LLM(path, device="cpu", **kwargs)
+    steps = count_compiled_rows(monkeypatch)
+    llm = LLM(path, device="cpu", enable_torch_compile=True, speculative_config=SPEC, **kwargs)
+    for batch in (prompts[:1], prompts, [RAGPrompt(system, chunks[::-1], prompts[-1].question)]):
+        want = eager.generate(batch, params, use_tqdm=False)
+        got = llm.generate(batch, params, use_tqdm=False)
+        assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+        if not packed:
+            for lg, lw in zip(first_logprobs(got), first_logprobs(want), strict=True):
+                assert max(abs(a - b) for a, b in zip(lg, lw, strict=True)) < 1e-4
+        drafted, kept = _drafts(got)
+        assert 0 < kept < drafted
+    assert any(rows > works == 1 for works, rows in steps)  # one sequence's drafts
+    assert any(rows > works > 1 for works, rows in steps)  # drafts in a batch
+    llm.check_integrity()
+
+
 @needs_compiler
 def test_compiled_decode_after_sleep_and_wake(checkpoint, monkeypatch):
     """The compiled graphs hold the weights as constants (frozen) and read the pool as an
@@ -252,18 +312,21 @@ def test_unsupported_setups_are_refused_with_the_reason(checkpoint):
 
 @needs_compiler
 def test_bench_script_compares_eager_and_compiled():
-    """benchmarks/bench_compiled_decode.py on float32 weights: every workload's row, and the
-    two engines give the same outputs."""
+    """benchmarks/bench_compiled_decode.py on float32 weights, with the drafting engines too:
+    every workload's row, and every engine gives the eager engine's outputs."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run(
         [sys.executable, os.path.join(root, "benchmarks", "bench_compiled_decode.py"),
          "--model", "builtin:tiny", "--quantization", "none", "--max-tokens", "8",
-         "--repeats", "1"], capture_output=True, text=True, timeout=600)
+         "--repeats", "1", "--speculative-config", '{"num_speculative_tokens": 3}'],
+        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.strip().startswith(
         ("plain", "RAG"))]
     assert len(rows) == 5
     for row in rows:
-        same, total = row[-1].split("/")
-        assert same == total
-        float(row[-2].rstrip("x"))  # a ratio (its value is noise at this size)
+        cells = row[-9:]  # eager's tok/s, then tok/s, ratio, same for each other engine
+        for i in (1, 4, 7):
+            float(cells[i]), float(cells[i + 1].rstrip("x"))  # a rate and its ratio
+            same, total = cells[i + 2].split("/")
+            assert same == total

@@ -40,35 +40,40 @@ _META = AttentionMetadata(write_slots=None)  # no dynamic RoPE: nothing per sequ
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
                      bias: torch.Tensor, segment: torch.Tensor, turn_cos: torch.Tensor,
-                     turn_sin: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query row per sequence: q [B, heads, d] over the cached keys `k_cache[index]`
-    (index [B, n], bias [B, n]: 0 for a key, -inf for padding) and its own new k, v
-    [B, kv_heads, d]. A cached key in a turned range (model/reposition.py) is scored against
-    the query turned back by the range's delta: `segment` [B, n] picks each key's turn among
-    the row's m (`turn_cos`, `turn_sin` [B, m, d]; turn 0 is none: cos 1, sin 0). Written as
-    products and sums, which inductor turns into loops that read the cache in place (a matmul
-    would gather a copy first). Float32 inside."""
-    b, heads, d = q.shape
+                     turn_sin: torch.Tensor, new_bias: torch.Tensor, scale: float
+                     ) -> torch.Tensor:
+    """T query rows, q [T, heads, d], each over its sequence's cached keys `k_cache[index]`
+    (index [T, n], bias [T, n]: 0 for a key, -inf for padding) and the step's new keys k, v
+    [T, kv_heads, d] that `new_bias` [T, T] lets it see (0: a key of its own sequence at or
+    before it, -inf otherwise; a decode step's is its diagonal, a drafted sequence's rows see
+    each other causally). A cached key in a turned range (model/reposition.py) is scored
+    against the query turned back by the range's delta: `segment` [T, n] picks each key's turn
+    among the row's m (`turn_cos`, `turn_sin` [T, m, d]; turn 0 is none: cos 1, sin 0).
+    Written as products and sums, which inductor turns into loops that read the cache in place
+    (a matmul would gather a copy first). Float32 inside."""
+    t, heads, d = q.shape
     kv_heads, m = k.shape[1], turn_cos.shape[1]
     group = heads // kv_heads
     qf = q.float()
-    turned = apply_rotary(qf[:, None].expand(b, m, heads, d).reshape(b * m, heads, d),
-                          turn_cos.reshape(b * m, d), turn_sin.reshape(b * m, d))
-    turned = turned.view(b, m, kv_heads, group, d)
-    # Laid out [B, kv_heads, n, group, d]: each loop then runs along d, where the cache rows
+    turned = apply_rotary(qf[:, None].expand(t, m, heads, d).reshape(t * m, heads, d),
+                          turn_cos.reshape(t * m, d), turn_sin.reshape(t * m, d))
+    turned = turned.view(t, m, kv_heads, group, d)
+    # Laid out [T, kv_heads, n, group, d]: each loop then runs along d, where the cache rows
     # are contiguous (along n, inductor would gather one float at a time).
-    q_of = turned[torch.arange(b, device=q.device)[:, None], segment].permute(0, 2, 1, 3, 4)
-    old_k = k_cache[index].float().permute(0, 2, 1, 3).unsqueeze(3)  # [B, kvh, n, 1, d]
+    q_of = turned[torch.arange(t, device=q.device)[:, None], segment].permute(0, 2, 1, 3, 4)
+    old_k = k_cache[index].float().permute(0, 2, 1, 3).unsqueeze(3)  # [T, kvh, n, 1, d]
     old_v = v_cache[index].float().permute(0, 2, 1, 3).unsqueeze(3)
-    scores = (q_of * old_k).sum(-1) * scale + bias[:, None, :, None]  # [B, kvh, n, g]
-    qg = qf.view(b, kv_heads, group, d)
-    new = (qg * k.float().unsqueeze(2)).sum(-1) * scale  # [B, kvh, g]
-    top = torch.maximum(scores.amax(2), new)
-    p_old, p_new = (scores - top.unsqueeze(2)).exp(), (new - top).exp()
-    total = p_old.sum(2) + p_new  # [B, kvh, g]
-    out = ((p_old.unsqueeze(-1) * old_v).sum(2) + p_new.unsqueeze(-1) * v.float().unsqueeze(2))
+    scores = (q_of * old_k).sum(-1) * scale + bias[:, None, :, None]  # [T, kvh, n, g]
+    qg = qf.view(t, 1, kv_heads, group, d)
+    new = ((qg * k.float()[None, :, :, None, :]).sum(-1) * scale
+           + new_bias[:, :, None, None])  # [T, T, kvh, g]
+    top = torch.maximum(scores.amax(2), new.amax(1))  # [T, kvh, g]
+    p_old, p_new = (scores - top.unsqueeze(2)).exp(), (new - top.unsqueeze(1)).exp()
+    total = p_old.sum(2) + p_new.sum(1)
+    out = ((p_old.unsqueeze(-1) * old_v).sum(2)
+           + (p_new.unsqueeze(-1) * v.float()[None, :, :, None, :]).sum(1))
     out = out / total.unsqueeze(-1)
-    return out.reshape(b, heads, d).to(q.dtype)
+    return out.reshape(t, heads, d).to(q.dtype)
 
 
 class _ReadOnlyAttention:
@@ -78,8 +83,9 @@ class _ReadOnlyAttention:
     fused_ops: frozenset[str] = frozenset()
 
     def __init__(self, index: torch.Tensor, bias: torch.Tensor, segment: torch.Tensor,
-                 turn_cos: torch.Tensor, turn_sin: torch.Tensor) -> None:
-        self.index, self.bias = index, bias
+                 turn_cos: torch.Tensor, turn_sin: torch.Tensor, new_bias: torch.Tensor
+                 ) -> None:
+        self.index, self.bias, self.new_bias = index, bias, new_bias
         self.turns = segment, turn_cos, turn_sin
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
@@ -89,16 +95,16 @@ class _ReadOnlyAttention:
         self.keys.append(k)
         self.values.append(v)
         return decode_attention(q, k, v, pool.k[layer], pool.v[layer], self.index, self.bias,
-                                *self.turns, scale)
+                                *self.turns, self.new_bias, scale)
 
 
 def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
           index: torch.Tensor, bias: torch.Tensor, segment: torch.Tensor,
-          turn_cos: torch.Tensor, turn_sin: torch.Tensor
+          turn_cos: torch.Tensor, turn_sin: torch.Tensor, new_bias: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits [B, vocab] of one decode row per sequence, and the new keys and values
-    [layers, B, kv_heads, d] to write."""
-    attention = _ReadOnlyAttention(index, bias, segment, turn_cos, turn_sin)
+    """Logits [T, vocab] of the step's T rows (a sequence's new token, or its last token and
+    drafts), and the new keys and values [layers, T, kv_heads, d] to write."""
+    attention = _ReadOnlyAttention(index, bias, segment, turn_cos, turn_sin, new_bias)
     rows = torch.arange(ids.shape[0], device=ids.device)
     logits = model.forward(ids, positions, rows, pool, _META, attention, prompt_rows=0)
     return logits, torch.stack(attention.keys), torch.stack(attention.values)
@@ -142,31 +148,39 @@ class CompiledDecode:
         packed = self.model.route is not None
         # Packed weights: the graph runs every row on the int4 kernel, and the LM head
         # (routed by size) on the kernel too up to KERNEL_MAX_ROWS rows: a prompt's last
-        # token that eager steps send to the dense path, or a larger batch, runs eagerly.
-        if packed and len(works) > KERNEL_MAX_ROWS:
+        # token that eager steps send to the dense path, or a larger step, runs eagerly.
+        if packed and sum(len(w.token_ids) for w in works) > KERNEL_MAX_ROWS:
             return False
         for w in works:
-            spans = w.kv_spans
-            if (len(w.token_ids) != 1 or len(spans) != 1 or spans[0][0] != 0 or not w.sample
+            spans, q = w.kv_spans, len(w.token_ids)
+            # Generated tokens only: a decode row, or a last token and its drafts (every
+            # row's logits wanted, for the verification), at the end of a prefix (0, end).
+            if (len(spans) != 1 or spans[0][0] != 0 or not w.sample
+                    or w.end - w.logits_from != q or q > 1 and w.end - q < w.prompt_len
                     or w.query_index is not None or w.key_positions is not None
-                    or packed and not takes_kernel(w.end - 1, w.prompt_len)):
+                    or packed and not takes_kernel(w.end - q, w.prompt_len)):
                 return False
         return bool(works)
 
     def run(self, works: Sequence) -> torch.Tensor:
-        host = torch.tensor([[w.token_ids[0] for w in works], [w.positions[0] for w in works],
-                             [w.kv.row for w in works], [w.kv_spans[0][1] for w in works]])
-        ids, positions, rows, lens = host  # the pool is on the CPU: no transfer
-        # The cached keys before the new token, at least 2 columns, and at least one turn
+        """Logits [rows, vocab] of the works' rows in order; their K/V written to the pool."""
+        lens = [w.kv_spans[0][1] for w in works]  # each sequence's KV list, new tokens too
+        per = [len(w.token_ids) for w in works]
+        cached = torch.tensor([n - q for n, q in zip(lens, per, strict=True)])
+        rows = torch.tensor([w.kv.row for w in works])
+        of = torch.repeat_interleave(torch.arange(len(works)), torch.tensor(per))  # row's work
+        ids = torch.tensor([t for w in works for t in w.token_ids])
+        positions = torch.tensor([p for w in works for p in w.positions])
+        # The cached keys before the new tokens, at least 2 columns, and at least one turn
         # besides "none" (as compiled: `warmup`).
-        width = max(2, int(lens.max()) - 1)
+        width = max(2, int(cached.max()))
         turns = max(2, 1 + max(len(w.turns) for w in works))
         table = self.slot_table.table
         index = table[rows, :width].long()
-        cached = torch.arange(width)[None, :] < (lens - 1)[:, None]
-        bias = torch.zeros(cached.shape, dtype=torch.float32)
-        bias.masked_fill_(~cached, float("-inf"))
-        index.masked_fill_(~cached, 0)  # slot 0: zeros (KVPool), never NaN
+        seen = torch.arange(width)[None, :] < cached[:, None]
+        bias = torch.zeros(seen.shape, dtype=torch.float32)
+        bias.masked_fill_(~seen, float("-inf"))
+        index.masked_fill_(~seen, 0)  # slot 0: zeros (KVPool), never NaN
         segment = torch.zeros(len(works), width, dtype=torch.long)
         cos = torch.ones(len(works), turns, self.head_dim)
         sin = torch.zeros(len(works), turns, self.head_dim)
@@ -174,13 +188,19 @@ class CompiledDecode:
             for j, (start, end, delta) in enumerate(w.turns, 1):
                 segment[i, start:end] = j
                 cos[i, j], sin[i, j] = self._turn_back(delta)
+        # A row sees the new keys of its own sequence up to its own.
+        order = torch.arange(len(of))
+        new_bias = torch.zeros(len(of), len(of))
+        new_bias.masked_fill_((of[:, None] != of[None, :]) | (order[None, :] > order[:, None]),
+                              float("-inf"))
         # Dynamo's guards over the model's few hundred tensors cost ~4% of a SmolLM2 step;
         # only those that tell the two graphs apart run. The rest cannot fail between steps:
         # the same model, pool and (inference-mode) input kinds every time.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits, keys, values = self.step(self.model, self.pool, ids, positions, index, bias,
-                                             segment, cos, sin)
-        slots = table[rows, lens - 1].long()
+            logits, keys, values = self.step(self.model, self.pool, ids, positions, index[of],
+                                             bias[of], segment[of], cos[of], sin[of], new_bias)
+        slots = torch.cat([table[r, c:n] for r, c, n in zip(rows.tolist(), cached.tolist(),
+                                                            lens, strict=True)]).long()
         self.pool.k.index_copy_(1, slots, keys)
         self.pool.v.index_copy_(1, slots, values)
         return logits
@@ -213,18 +233,20 @@ class CompiledDecode:
             segment = torch.zeros(batch, 2, dtype=torch.long)
             cos = torch.ones(batch, 2, self.head_dim)
             sin = torch.zeros(batch, 2, self.head_dim)
+            new_bias = torch.zeros(batch, batch)
             for t in (index, bias, segment, cos, sin):
                 torch._dynamo.mark_dynamic(t, 1)
             if batch > 1:
-                for t in (ids, positions, index, bias, segment, cos, sin):
+                for t in (ids, positions, index, bias, segment, cos, sin, new_bias):
                     torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(new_bias, 1)
             try:
                 # Freezing: the weights become constants of the compiled code, not inputs
                 # handed through its wrapper every step (0.7 ms of a 7 ms SmolLM2 step).
                 with (torch.fx.experimental._config.patch(use_duck_shape=False),
                       inductor_config.patch(freezing=True)):
                     self.step(self.model, self.pool, ids, positions, index, bias, segment, cos,
-                              sin)
+                              sin, new_bias)
             except Exception as e:
                 raise RuntimeError(f"enable_torch_compile: compiling the decode step failed: "
                                    f"{type(e).__name__}: {e} (inductor needs a working C++ "
