@@ -325,7 +325,7 @@ def test_bench_script_compares_eager_and_compiled():
         ("plain", "RAG"))]
     assert len(rows) == 5
     for row in rows:
-        cells = row[-9:]  # eager's tok/s, then tok/s, ratio, same for each other engine
+        cells = row[-10:]  # eager's tok/s, then tok/s, ratio, same for each other engine
         for i in (1, 4, 7):
             float(cells[i]), float(cells[i + 1].rstrip("x"))  # a rate and its ratio
             same, total = cells[i + 2].split("/")

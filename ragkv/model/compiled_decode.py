@@ -1,18 +1,20 @@
 """A compiled decode step for the CPU (`enable_torch_compile`): the model's own forward for a
-batch of decode rows, traced once by `torch.compile` (inductor, which writes C++ and needs a
-C++ compiler at run time), the CPU's counterpart of the CUDA graphs. A CPU decode step of a
-small model is a few hundred tiny torch ops, each paying a few microseconds of dispatch: on
-SmolLM2 with packed weights they cost as much as the matmuls. Inductor fuses them into a few
-loops per layer, with the weights frozen into the compiled code (they never change after
-load; the pool stays an input, which sleep and wake reallocate).
+batch of generated rows (each sequence's new token, or its last token and the drafts to
+verify), traced once by `torch.compile` (inductor, which writes C++ and needs a C++ compiler
+at run time), the CPU's counterpart of the CUDA graphs. A CPU decode step of a small model is
+a few hundred tiny torch ops, each paying a few microseconds of dispatch: on SmolLM2 with
+packed weights they cost as much as the matmuls. Inductor fuses them into a few loops per
+layer, with the weights frozen into the compiled code (they never change after load; the pool
+stays an input, which sleep and wake reallocate).
 
 The step reads the KV pool and never writes it: each layer attends over the sequence's cached
-keys (gathered through the slot table inside the fused loops) plus its new key, and the graph
-returns the new keys and values, which one copy per pool writes after it. Written inside the
-graph, the pool (an input of it) would be copied whole at every layer.
+keys (gathered through the slot table inside the fused loops) plus the step's new keys of its
+sequence up to its own, and the graph returns the new keys and values, which one copy per
+pool writes after it. Written inside the graph, the pool (an input of it) would be copied
+whole at every layer.
 
 Numerics: the same arithmetic as the eager step up to float summation order (the attention's
-softmax over the old keys and the new one, fused loops for the norms), so the logits agree
+softmax over the old keys and the new ones, fused loops for the norms), so the logits agree
 within float32 rounding (tests/test_compiled_decode.py), not bit for bit; with packed weights a
 bfloat16 rounding of a layer's input can turn that into a whole bfloat16 step now and then,
 as a batch of another size does.
@@ -111,9 +113,10 @@ def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Ten
 
 
 class CompiledDecode:
-    """Runs decode steps (one new token per sequence, sampled, over a prefix (0, end) of its
-    slot-table row) through the compiled step; `can_run` says which steps it takes, the
-    runner runs the rest eagerly."""
+    """Runs decode steps (generated tokens over a prefix (0, end) of each sequence's
+    slot-table row: one sampled token, or a token and its drafts, every row's logits wanted)
+    through the compiled step; `can_run` says which steps it takes, the runner runs the rest
+    eagerly."""
 
     def __init__(self, model: CausalLM, pool: KVPool, slot_table: SlotTable) -> None:
         reason = self.unsupported(model, pool.kv.device)
