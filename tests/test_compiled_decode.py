@@ -22,7 +22,7 @@ from test_rag import make_llm, rag, rag_scenarios, run
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
 from ragkv.entrypoints.cli import build_parser, engine_kwargs
-from ragkv.model.compiled_decode import CompiledDecode, decode_attention
+from ragkv.model.compiled_decode import CompiledDecode, decode_attention, verify_attention
 from ragkv.model.layers import apply_rotary
 from ragkv.model.quantized_linear import KERNEL_MAX_ROWS
 
@@ -75,6 +75,41 @@ def test_decode_attention_matches_sdpa():
             enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[own], ref, rtol=1e-5, atol=1e-5)
         start += new
+
+
+def test_verify_attention_matches_sdpa():
+    """One sequence verifying drafts: its 4 rows over its cached keys (some turned forward by
+    their range's turn, padding masked) and its new keys causally, against SDPA over the same
+    keys with a bottom-right causal mask; and against `decode_attention` on the same rows."""
+    torch.manual_seed(0)
+    heads, kv_heads, d, slots, n, rows, m = 6, 2, 16, 40, 9, 4, 3
+    k_cache, v_cache = torch.randn(slots, kv_heads, d), torch.randn(slots, kv_heads, d)
+    index = torch.zeros(1, n + 2, dtype=torch.long)  # two padding columns
+    index[0, :n] = torch.randperm(slots - 1)[:n] + 1
+    bias = torch.zeros(1, n + 2).index_fill_(1, torch.tensor([n, n + 1]), float("-inf"))
+    segment = torch.zeros(1, n + 2, dtype=torch.long)
+    segment[0, 1:4], segment[0, 5:8] = 2, 1
+    angles = torch.rand(1, m, d // 2) * 6
+    angles[:, 0] = 0
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q = torch.randn(rows, heads, d)
+    k, v = torch.randn(rows, kv_heads, d), torch.randn(rows, kv_heads, d)
+    out = verify_attention(q, k, v, k_cache, v_cache, index, bias, segment, cos, sin, 0.3)
+    turned = torch.stack([apply_rotary(k_cache[index[0, j]][None], cos[0, segment[0, j]][None],
+                                       sin[0, segment[0, j]][None])[0] for j in range(n)])
+    keys, values = torch.cat((turned, k)), torch.cat((v_cache[index[0, :n]], v))
+    mask = torch.ones(rows, n + rows, dtype=torch.bool).tril(n)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+        values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=0.3,
+        enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    causal = torch.zeros(rows, rows).masked_fill_(torch.ones(rows, rows, dtype=torch.bool)
+                                                  .triu(1), float("-inf"))
+    same = decode_attention(q, k, v, k_cache, v_cache, index.expand(rows, -1),
+                            bias.expand(rows, -1), segment.expand(rows, -1),
+                            cos.expand(rows, -1, -1), -sin.expand(rows, -1, -1), causal, 0.3)
+    torch.testing.assert_close(out, same, rtol=1e-5, atol=1e-5)
 
 
 def count_compiled_steps(monkeypatch) -> list[int]:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ..cache.kv_pool import KVPool
 from .backends.base import AttentionMetadata
@@ -78,17 +79,40 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out.reshape(t, heads, d).to(q.dtype)
 
 
+def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, index: torch.Tensor,
+                     bias: torch.Tensor, segment: torch.Tensor, turn_cos: torch.Tensor,
+                     turn_sin: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence verifying drafts: its L rows q [L, heads, d] (its last token and drafts)
+    over its cached keys `k_cache[index]` (index, bias, segment [1, n], as in
+    `decode_attention`) and its new keys k, v [L, kv_heads, d], causally. The cached keys are
+    gathered and turned forward once for all the rows (`turn_cos`, `turn_sin` [1, m, d] turn
+    keys forward), which attend in one SDPA call: `decode_attention`'s loops read the cache
+    again for every row (3 rows cost 2.6x one there), while this copy of the keys costs the
+    same for any number of rows (~110 us a layer at 900 keys on SmolLM2's shape), so it pays
+    for one sequence and not for a batch. Float32 inside."""
+    n, d = index.shape[1], q.shape[2]
+    keys = apply_rotary(k_cache[index[0]].float(), turn_cos[0, segment[0]],
+                        turn_sin[0, segment[0]])
+    keys = torch.cat((keys, k.float())).transpose(0, 1)  # [kv_heads, n + L, d]
+    values = torch.cat((v_cache[index[0]].float(), v.float())).transpose(0, 1)
+    rows = q.shape[0]
+    causal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).tril()
+    mask = torch.cat((bias.expand(rows, n), torch.zeros(rows, rows, device=q.device)
+                      .masked_fill_(~causal, float("-inf"))), dim=1)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values,
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1).to(q.dtype).reshape(rows, -1, d)
+
+
 class _ReadOnlyAttention:
     """The attention backend of a compiled step: reads the pool, collects the new K/V."""
 
     name = "compiled-decode"
     fused_ops: frozenset[str] = frozenset()
 
-    def __init__(self, index: torch.Tensor, bias: torch.Tensor, segment: torch.Tensor,
-                 turn_cos: torch.Tensor, turn_sin: torch.Tensor, new_bias: torch.Tensor
-                 ) -> None:
-        self.index, self.bias, self.new_bias = index, bias, new_bias
-        self.turns = segment, turn_cos, turn_sin
+    def __init__(self, attend, inputs: tuple) -> None:
+        self.attend, self.inputs = attend, inputs  # decode_attention or verify_attention
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -96,40 +120,52 @@ class _ReadOnlyAttention:
                 pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        return decode_attention(q, k, v, pool.k[layer], pool.v[layer], self.index, self.bias,
-                                *self.turns, self.new_bias, scale)
+        return self.attend(q, k, v, pool.k[layer], pool.v[layer], *self.inputs, scale)
 
 
-def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
-          index: torch.Tensor, bias: torch.Tensor, segment: torch.Tensor,
-          turn_cos: torch.Tensor, turn_sin: torch.Tensor, new_bias: torch.Tensor
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits [T, vocab] of the step's T rows (a sequence's new token, or its last token and
-    drafts), and the new keys and values [layers, T, kv_heads, d] to write."""
-    attention = _ReadOnlyAttention(index, bias, segment, turn_cos, turn_sin, new_bias)
+def _run(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
+         attention: _ReadOnlyAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows = torch.arange(ids.shape[0], device=ids.device)
     logits = model.forward(ids, positions, rows, pool, _META, attention, prompt_rows=0)
     return logits, torch.stack(attention.keys), torch.stack(attention.values)
 
 
-class CompiledDecode:
-    """Runs decode steps (generated tokens over a prefix (0, end) of each sequence's
-    slot-table row: one sampled token, or a token and its drafts, every row's logits wanted)
-    through the compiled step; `can_run` says which steps it takes, the runner runs the rest
-    eagerly."""
+def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
+          *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits [T, vocab] of the step's T rows (a sequence's new token, or its last token and
+    drafts), and the new keys and values [layers, T, kv_heads, d] to write; `inputs`:
+    decode_attention's."""
+    return _run(model, pool, ids, positions, _ReadOnlyAttention(decode_attention, inputs))
 
-    def __init__(self, model: CausalLM, pool: KVPool, slot_table: SlotTable) -> None:
+
+def _verify_step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
+                 *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same for one sequence's last token and drafts; `inputs`: verify_attention's."""
+    return _run(model, pool, ids, positions, _ReadOnlyAttention(verify_attention, inputs))
+
+
+class CompiledDecode:
+    """Runs steps of generated tokens over a prefix (0, end) of each sequence's slot-table
+    row through the compiled step: one sampled token per sequence, and with `drafts` (the
+    engine's speculative decoding) also steps where sequences verify a token and its drafts
+    (every row's logits wanted); `can_run` says which steps it takes, the runner runs the
+    rest eagerly."""
+
+    def __init__(self, model: CausalLM, pool: KVPool, slot_table: SlotTable,
+                 drafts: bool = False) -> None:
         reason = self.unsupported(model, pool.kv.device)
         if reason is not None:
             raise ValueError(f"enable_torch_compile: {reason}")
         self.model, self.pool, self.slot_table = model, pool, slot_table
         self.head_dim = pool.k.shape[-1]
-        self._turns: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._turns: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Only the batch, the cached length and the number of turns vary (marked in
         # `warmup`): the weights' and the pool's shapes stay constants of the generated code.
         # This engine's own graphs: by default every torch.compile of one function shares
         # one cache, whose entries other engines' models would count against its limit.
         self.step = torch.compile(_step, fullgraph=True, isolate_recompiles=True)
+        self.verify = (torch.compile(_verify_step, fullgraph=True, isolate_recompiles=True)
+                       if drafts else None)
 
     @staticmethod
     def unsupported(model: CausalLM, device: torch.device) -> str | None:
@@ -171,9 +207,11 @@ class CompiledDecode:
         per = [len(w.token_ids) for w in works]
         cached = torch.tensor([n - q for n, q in zip(lens, per, strict=True)])
         rows = torch.tensor([w.kv.row for w in works])
-        of = torch.repeat_interleave(torch.arange(len(works)), torch.tensor(per))  # row's work
         ids = torch.tensor([t for w in works for t in w.token_ids])
         positions = torch.tensor([p for w in works for p in w.positions])
+        # One sequence with drafts: the verifying graph (keys turned forward); else the
+        # decode graph (queries turned back), for plain decode rows and batches with drafts.
+        verify = self.verify is not None and len(works) == 1 and per[0] > 1
         # The cached keys before the new tokens, at least 2 columns, and at least one turn
         # besides "none" (as compiled: `warmup`).
         width = max(2, int(cached.max()))
@@ -190,66 +228,82 @@ class CompiledDecode:
         for i, w in enumerate(works):
             for j, (start, end, delta) in enumerate(w.turns, 1):
                 segment[i, start:end] = j
-                cos[i, j], sin[i, j] = self._turn_back(delta)
-        # A row sees the new keys of its own sequence up to its own.
-        order = torch.arange(len(of))
-        new_bias = torch.zeros(len(of), len(of))
-        new_bias.masked_fill_((of[:, None] != of[None, :]) | (order[None, :] > order[:, None]),
-                              float("-inf"))
+                turn = self._turn(delta)  # cos, then sin turning keys forward or queries back
+                cos[i, j], sin[i, j] = turn[0], turn[1 if verify else 2]
+        if verify:
+            step, inputs = self.verify, (index, bias, segment, cos, sin)
+        else:
+            # Row i reads row j's new key where both are of one sequence and j <= i.
+            of = torch.repeat_interleave(torch.arange(len(works)), torch.tensor(per))
+            order = torch.arange(len(of))
+            new_bias = torch.zeros(len(of), len(of))
+            new_bias.masked_fill_((of[:, None] != of[None, :])
+                                  | (order[None, :] > order[:, None]), float("-inf"))
+            step = self.step
+            inputs = (index[of], bias[of], segment[of], cos[of], sin[of], new_bias)
         # Dynamo's guards over the model's few hundred tensors cost ~4% of a SmolLM2 step;
-        # only those that tell the two graphs apart run. The rest cannot fail between steps:
+        # only those that tell the graphs apart run. The rest cannot fail between steps:
         # the same model, pool and (inference-mode) input kinds every time.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits, keys, values = self.step(self.model, self.pool, ids, positions, index[of],
-                                             bias[of], segment[of], cos[of], sin[of], new_bias)
+            logits, keys, values = step(self.model, self.pool, ids, positions, *inputs)
         slots = torch.cat([table[r, c:n] for r, c, n in zip(rows.tolist(), cached.tolist(),
                                                             lens, strict=True)]).long()
         self.pool.k.index_copy_(1, slots, keys)
         self.pool.v.index_copy_(1, slots, values)
         return logits
 
-    def _turn_back(self, delta: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [d] turning a query back by `delta` (a request's deltas stay the same
-        through its decode steps: kept, a few thousand at most)."""
+    def _turn(self, delta: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin turning a key forward by `delta`, and sin turning a query back, [d] each
+        (a request's deltas stay the same through its decode steps: kept, a few thousand at
+        most)."""
         if delta not in self._turns:
             if len(self._turns) > 4096:
                 self._turns.clear()
-            cos, sin = TurnTable.build(self.model.rotaries[0], [delta]).for_queries()
-            self._turns[delta] = cos[0], sin[0]
+            table = TurnTable.build(self.model.rotaries[0], [delta])
+            cos, back = table.for_queries()
+            self._turns[delta] = cos[0], table.sin[0], back[0]
         return self._turns[delta]
 
     @torch.inference_mode()  # as the engine's steps run: grad mode is part of the graph's key
     def warmup(self) -> float:
-        """Compile the step for one sequence and for any larger batch, for every cached
-        length from 2, before a request waits for it; reads slot 0, writes nothing. Returns
-        the seconds it took. torch.compile specializes sizes 0 and 1, hence two graphs and
-        widths of at least 2; no duck sizing, which would tie a batch or a width to an equal
-        weight dimension and compile again when they part."""
+        """Compile the decode step for one row and for any larger step, for every cached
+        length from 2, before a request waits for it, and with drafts the verifying step of
+        one sequence; reads slot 0, writes nothing. Returns the seconds it took.
+        torch.compile specializes sizes 0 and 1, hence two decode graphs and widths, turns
+        and drafted rows of at least 2; no duck sizing, which would tie a batch or a width to
+        an equal weight dimension and compile again when they part."""
         import torch._inductor.config as inductor_config
 
         start = time.perf_counter()
-        for batch in (1, 2):
-            ids = torch.zeros(batch, dtype=torch.long)
-            positions = torch.full((batch,), 2, dtype=torch.long)
-            index = torch.zeros(batch, 2, dtype=torch.long)
-            bias = torch.zeros(batch, 2, dtype=torch.float32)
-            segment = torch.zeros(batch, 2, dtype=torch.long)
-            cos = torch.ones(batch, 2, self.head_dim)
-            sin = torch.zeros(batch, 2, self.head_dim)
-            new_bias = torch.zeros(batch, batch)
-            for t in (index, bias, segment, cos, sin):
+        kinds = [(self.step, 1), (self.step, 2)]
+        if self.verify is not None:
+            kinds.append((self.verify, 2))
+        for step, total in kinds:
+            sequences = total if step is self.step else 1
+            ids = torch.zeros(total, dtype=torch.long)
+            positions = torch.full((total,), 2, dtype=torch.long)
+            inputs = (torch.zeros(sequences, 2, dtype=torch.long),  # index
+                      torch.zeros(sequences, 2, dtype=torch.float32),  # bias
+                      torch.zeros(sequences, 2, dtype=torch.long),  # segment
+                      torch.ones(sequences, 2, self.head_dim),  # turns' cos, sin
+                      torch.zeros(sequences, 2, self.head_dim))
+            for t in inputs:
                 torch._dynamo.mark_dynamic(t, 1)
-            if batch > 1:
-                for t in (ids, positions, index, bias, segment, cos, sin, new_bias):
+            if step is self.step:
+                inputs += (torch.zeros(total, total),)  # new_bias
+            if total > 1:
+                for t in (ids, positions):
                     torch._dynamo.mark_dynamic(t, 0)
-                torch._dynamo.mark_dynamic(new_bias, 1)
+                if step is self.step:
+                    for t in inputs:
+                        torch._dynamo.mark_dynamic(t, 0)
+                    torch._dynamo.mark_dynamic(inputs[-1], 1)
             try:
                 # Freezing: the weights become constants of the compiled code, not inputs
                 # handed through its wrapper every step (0.7 ms of a 7 ms SmolLM2 step).
                 with (torch.fx.experimental._config.patch(use_duck_shape=False),
                       inductor_config.patch(freezing=True)):
-                    self.step(self.model, self.pool, ids, positions, index, bias, segment, cos,
-                              sin, new_bias)
+                    step(self.model, self.pool, ids, positions, *inputs)
             except Exception as e:
                 raise RuntimeError(f"enable_torch_compile: compiling the decode step failed: "
                                    f"{type(e).__name__}: {e} (inductor needs a working C++ "

@@ -99,7 +99,8 @@ class ModelRunner:
         if config.enable_torch_compile:
             from .compiled_decode import CompiledDecode
 
-            self.compiled = CompiledDecode(model, pool, self.slot_table)
+            self.compiled = CompiledDecode(model, pool, self.slot_table,
+                                            drafts=config.speculative_config is not None)
             logger.info("compiled the decode step in %.0f s", self.compiled.warmup())
         self.warmup(min(config.max_num_batched_tokens, max_model_len))
 
