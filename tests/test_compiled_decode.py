@@ -112,18 +112,18 @@ def test_verify_attention_matches_sdpa():
     torch.testing.assert_close(out, same, rtol=1e-5, atol=1e-5)
 
 
-def count_compiled_steps(monkeypatch) -> list[int]:
-    """Counts the steps that run compiled (their batch sizes), so a test can tell the
-    compiled path ran."""
-    sizes: list[int] = []
+def count_compiled_steps(monkeypatch) -> list[list[int]]:
+    """The steps that run compiled, each as its works' row counts (one per decode row, more
+    where drafts were verified), so a test can tell the compiled path ran and on what."""
+    steps: list[list[int]] = []
     run = CompiledDecode.run
 
     def counted(self, works):
-        sizes.append(len(works))
+        steps.append([len(w.token_ids) for w in works])
         return run(self, works)
 
     monkeypatch.setattr(CompiledDecode, "run", counted)
-    return sizes
+    return steps
 
 
 def first_logprobs(outputs) -> list[list[float]]:
@@ -141,10 +141,11 @@ def test_compiled_decode_matches_eager_dense(checkpoint, monkeypatch, family):
     prompts = [{"prompt_token_ids": random_prompt(n, seed=n)} for n in (5, 40, 17)]
     eager = LLM(path, device="cpu")
     expected = eager.generate(prompts, params, use_tqdm=False)
-    sizes = count_compiled_steps(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     llm = LLM(path, device="cpu", enable_torch_compile=True)
     alone = llm.generate(prompts[:1], params, use_tqdm=False)
     together = llm.generate(prompts, params, use_tqdm=False)
+    sizes = [len(step) for step in steps]
     assert 1 in sizes and 3 in sizes  # steps of one and of several ran compiled
     for got in (alone, together):
         for g, e in zip(got, expected, strict=False):
@@ -161,7 +162,7 @@ def test_compiled_decode_matches_the_one_pass_reference(family, checkpoint, hf_m
     """Against HF's one-pass reference (tests/reference.py): the RAG scenarios of
     tests/test_rag.py (cold, warm, hits and misses, batches; shared positions) and sequential
     layouts, whose chunks decode over turned ranges, cold, then warm in a new order in a batch."""
-    sizes = count_compiled_steps(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     path = checkpoint(family)
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,
                    enable_torch_compile=True)
@@ -173,6 +174,7 @@ def test_compiled_decode_matches_the_one_pass_reference(family, checkpoint, hf_m
     run(llm, hf, [rag(system, [a, b], question, layout=sequential)], ["MM"])
     run(llm, hf, [rag(system, [b, a], question, layout=sequential),
                   rag(system, [a], random_prompt(4, seed=5), layout=sequential)], ["HH", "H"])
+    sizes = [len(step) for step in steps]
     assert 1 in sizes and 2 in sizes
 
 
@@ -185,11 +187,11 @@ def test_compiled_decode_packed_weights(gguf_file, checkpoint, monkeypatch):  # 
     prompts = [{"prompt_token_ids": random_prompt(n, seed=60 + n)} for n in (9, 30)]
     eager = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf")
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
-    sizes = count_compiled_steps(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf", enable_torch_compile=True)
     assert llm.engine.weights.int4_layers > 0
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert sizes and got == expected
+    assert steps and got == expected
     llm.check_integrity()
 
 
@@ -224,13 +226,13 @@ def test_compiled_decode_rag_batch_of_different_lengths(checkpoint, monkeypatch)
                RAGPrompt(system, chunks[::-1], random_prompt(9, seed=4))]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     eager = LLM(path, device="cpu")
-    sizes = count_compiled_steps(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     llm = LLM(path, device="cpu", enable_torch_compile=True)
     for _ in range(2):  # cold, then warm (the chunks reused at new places)
         got = llm.generate(prompts, params, use_tqdm=False)
         ref = eager.generate(prompts, params, use_tqdm=False)
         assert [g.outputs[0].token_ids for g in got] == [r.outputs[0].token_ids for r in ref]
-    assert 2 in sizes
+    assert 2 in [len(step) for step in steps]
     llm.check_integrity()
 
 
@@ -245,7 +247,7 @@ def test_compiled_decode_rag_warm_and_cold(checkpoint, monkeypatch):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     eager = LLM(path, device="cpu")
     expected = eager.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)
-    sizes = count_compiled_steps(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     llm = LLM(path, device="cpu", enable_torch_compile=True)
     for order in (chunks, chunks[::-1], chunks):
         out = llm.generate(RAGPrompt(system, order, question), params, use_tqdm=False)[0]
@@ -253,21 +255,8 @@ def test_compiled_decode_rag_warm_and_cold(checkpoint, monkeypatch):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     assert out.metrics.num_chunk_hits == 2
     assert expected[0].outputs[0].token_ids  # the eager engine answered too
-    assert sizes
+    assert steps
     llm.check_integrity()
-
-
-def count_compiled_rows(monkeypatch) -> list[tuple[int, int]]:
-    """(works, rows) of each step that runs compiled: rows > works where drafts were verified."""
-    steps: list[tuple[int, int]] = []
-    run_step = CompiledDecode.run
-
-    def counted(self, works):
-        steps.append((len(works), sum(len(w.token_ids) for w in works)))
-        return run_step(self, works)
-
-    monkeypatch.setattr(CompiledDecode, "run", counted)
-    return steps
 
 
 @needs_compiler
@@ -288,7 +277,7 @@ def test_drafts_are_verified_compiled(packed, checkpoint, gguf_file, monkeypatch
     prompts = [*_prompts(), RAGPrompt(system, chunks, random_prompt(3, seed=2) + loop * 3)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=1)
     eager = LLM(path, device="cpu", **kwargs)
-    steps = count_compiled_rows(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     llm = LLM(path, device="cpu", enable_torch_compile=True, speculative_config=SPEC, **kwargs)
     for batch in (prompts[:1], prompts, [RAGPrompt(system, chunks[::-1], prompts[-1].question)]):
         want = eager.generate(batch, params, use_tqdm=False)
@@ -299,8 +288,8 @@ def test_drafts_are_verified_compiled(packed, checkpoint, gguf_file, monkeypatch
                 assert max(abs(a - b) for a, b in zip(lg, lw, strict=True)) < 1e-4
         drafted, kept = _drafts(got)
         assert 0 < kept < drafted
-    assert any(rows > works == 1 for works, rows in steps)  # one sequence's drafts
-    assert any(rows > works > 1 for works, rows in steps)  # drafts in a batch
+    assert any(len(step) == 1 and step[0] > 1 for step in steps)  # one sequence's drafts
+    assert any(len(step) > 1 and sum(step) > len(step) for step in steps)  # drafts in a batch
     llm.check_integrity()
 
 
@@ -312,14 +301,14 @@ def test_compiled_decode_after_sleep_and_wake(checkpoint, monkeypatch):
     path = checkpoint("llama")
     prompt = [{"prompt_token_ids": random_prompt(12, seed=5)}]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
-    sizes = count_compiled_steps(monkeypatch)
+    steps = count_compiled_steps(monkeypatch)
     llm = LLM(path, device="cpu", enable_torch_compile=True)
     before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     llm.sleep()
     llm.wake_up()
     after = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
-    assert len(sizes) >= 14  # both requests' decode steps ran compiled
+    assert len(steps) >= 14  # both requests' decode steps ran compiled
     llm.check_integrity()
 
 

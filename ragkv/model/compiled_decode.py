@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.kv_pool import KVPool
-from .backends.base import AttentionMetadata
+from .backends.base import AttentionMetadata, causal_mask
 from .layers import apply_rotary
 from .llama import CausalLM
 from .quantized_linear import KERNEL_MAX_ROWS, takes_kernel
@@ -97,9 +97,8 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keys = torch.cat((keys, k.float())).transpose(0, 1)  # [kv_heads, n + L, d]
     values = torch.cat((v_cache[index[0]].float(), v.float())).transpose(0, 1)
     rows = q.shape[0]
-    causal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).tril()
     mask = torch.cat((bias.expand(rows, n), torch.zeros(rows, rows, device=q.device)
-                      .masked_fill_(~causal, float("-inf"))), dim=1)
+                      .masked_fill_(~causal_mask(rows, rows, q.device), float("-inf"))), dim=1)
     out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values,
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1).to(q.dtype).reshape(rows, -1, d)
