@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from conftest import random_prompt
 from test_quantized_linear import gguf_file  # noqa: F401 (fixture)
 from test_rag import make_llm, rag, rag_scenarios, run
+from test_speculative import longer_reference  # noqa: F401 (fixture)
 
 from ragkv import LLM, RAGPrompt, SamplingParams
 from ragkv.config import EngineConfig
@@ -156,16 +157,24 @@ def test_compiled_decode_matches_eager_dense(checkpoint, monkeypatch, family):
 
 
 @needs_compiler
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_compiled_decode_matches_the_one_pass_reference(family, checkpoint, hf_model,
-                                                        monkeypatch):
+@pytest.mark.parametrize("family,drafts", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_compiled_decode_matches_the_one_pass_reference(family, drafts, checkpoint, hf_model,
+                                                        monkeypatch, request):
     """Against HF's one-pass reference (tests/reference.py): the RAG scenarios of
     tests/test_rag.py (cold, warm, hits and misses, batches; shared positions) and sequential
-    layouts, whose chunks decode over turned ranges, cold, then warm in a new order in a batch."""
+    layouts, whose chunks decode over turned ranges, cold, then warm in a new order in a batch.
+    With drafts: over 20 generated tokens, tokens and their drafts verified compiled, alone
+    (the verifying graph) and in batches (the decode graph)."""
     steps = count_compiled_steps(monkeypatch)
     path = checkpoint(family)
+    spec = {}
+    if drafts:
+        from test_speculative import SPEC
+
+        request.getfixturevalue("longer_reference")
+        spec = {"speculative_config": SPEC}
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,
-                   enable_torch_compile=True)
+                   enable_torch_compile=True, **spec)
     hf = hf_model(path)
     rag_scenarios(llm, hf)
     system, question = random_prompt(9, seed=1), random_prompt(6, seed=4)
@@ -176,6 +185,12 @@ def test_compiled_decode_matches_the_one_pass_reference(family, checkpoint, hf_m
                   rag(system, [a], random_prompt(4, seed=5), layout=sequential)], ["HH", "H"])
     sizes = [len(step) for step in steps]
     assert 1 in sizes and 2 in sizes
+    if drafts:
+        assert any(len(step) == 1 and step[0] > 1 for step in steps)  # one sequence's drafts
+        assert any(len(step) > 1 and sum(step) > len(step) for step in steps)  # in a batch
+        stats = llm.engine.spec_decode_stats()
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    llm.check_integrity()
 
 
 @needs_compiler
