@@ -51,13 +51,16 @@ class SpeculativeConfig:
     "ngram" (prompt lookup): up to `num_speculative_tokens` drafts copied from where the
     request's last `prompt_lookup_max` .. `prompt_lookup_min` tokens occurred before in its
     prompt or output, verified in one forward pass. Off while `disable_by_batch_size` or more
-    requests run (None: never off by batch size)."""
+    requests run (None: never off by batch size). `adaptive`: in a step of generated tokens
+    only, drafts are verified only where the engine's measured step times and each request's
+    kept share say they pay (engine/speculative.py); False verifies every draft found."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 5
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method != "ngram":
@@ -76,6 +79,9 @@ class SpeculativeConfig:
                                   or limit < 1):
             raise ValueError(f"speculative_config disable_by_batch_size must be a positive "
                              f"integer or None, got {limit!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got "
+                             f"{self.adaptive!r}")
 
     @classmethod
     def of(cls, spec: object) -> SpeculativeConfig | None:

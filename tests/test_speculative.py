@@ -6,6 +6,7 @@ max_tokens inside a draft, logprobs; the pool stays whole after every step."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import test_rag
@@ -15,10 +16,16 @@ from test_rag import run as run_against_reference
 
 from ragkv import LLM, SamplingParams
 from ragkv.config import EngineConfig, SpeculativeConfig
-from ragkv.engine.speculative import NgramIndex
+from ragkv.engine import speculative
+from ragkv.engine.speculative import NgramIndex, SpecDecodeStats, Speculator, StepCost
 from ragkv.structured.params import StructuredOutputsParams
 
-SPEC = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Every draft found is verified: these tests check what drafted rows compute, and the cost
+# gate (adaptive, the default) decides from measured step times which drafts a step takes.
+# The gate has tests of its own (GATED), outputs compared too.
+SPEC = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "adaptive": False}
+GATED = {**SPEC, "adaptive": True}
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +93,78 @@ def test_config_is_checked():
     for bad, fragment in [({"method": "eagle"}, "ngram"), ({"num_speculative_tokens": 0},
                                                            "positive"),
                           ({"prompt_lookup_min": 5, "prompt_lookup_max": 2}, "at most"),
-                          ({"typo": 1}, "unknown setting"), ("ngram", "dict")]:
+                          ({"typo": 1}, "unknown setting"), ("ngram", "dict"),
+                          ({"adaptive": "yes"}, "true or false")]:
         with pytest.raises(ValueError, match=fragment):
             EngineConfig(model="m", speculative_config=bad)
+
+
+def test_the_cost_gate_verifies_the_drafts_that_pay():
+    """Speculator.paying: the step's drafts, best kept share first, while the tokens expected
+    per second (by the measured StepCost of as many sequences) rise; a step of unknown cost is
+    measured first, and the best draft's again after a run of steps without drafts."""
+    spec = Speculator(SpeculativeConfig(**GATED), 1024)
+
+    def proposals(*rates):  # requests that kept these shares of 80 drafted tokens so far
+        return [(SimpleNamespace(metrics=SimpleNamespace(
+            num_draft_tokens=80, num_accepted_tokens=round(80 * r))), [0, 0]) for r in rates]
+
+    assert spec.paying(4, proposals(0.9, 0.9)) == 0  # the plain step is timed first
+    spec.cost.observe(4, 4, 1.0)
+    assert spec.paying(4, proposals(0.9, 0.9)) == 2  # then the step with every draft
+    assert spec.cost.at(4, 6) is None and spec.cost.at(3, 4) is None
+    spec.cost.observe(4, 8, 1.0)  # rows that cost nothing: every draft pays
+    assert spec.cost.at(4, 6) == 1.0 and spec.cost.at(5, 6) is None
+    assert spec.paying(4, proposals(0.9, 0.1)) == 2
+    spec.cost.observe(4, 8, 3.0)  # then 1.5 (a measurement moves the estimate a quarter)
+    # 4 rows 1 s, 6 rows 1.25 s, 8 rows 1.5 s: 4 tokens/s without drafts. Kept shares
+    # (with the prior's 8 tokens at 0.5): 0.9 -> 0.864, 0.3 -> 0.318, 0.4 -> 0.409. One
+    # request's 2 drafts at 0.864 give 5.73 tokens in 1.25 s (4.58/s), both 7.45 in 1.5 s
+    # (4.97/s); with 0.318 for the second, 6.36 in 1.5 s (4.24/s); at 0.409 each, 3.85/s and
+    # 3.76/s, below the plain step's 4/s
+    assert spec.cost.at(4, 8) == 1.5 and spec.cost.at(4, 6) == 1.25
+    assert spec.paying(4, proposals(0.9, 0.9)) == 2
+    assert spec.paying(4, proposals(0.9, 0.3)) == 1
+    # After 64 steps in a row without drafts, the best draft is taken once to time it again.
+    assert [spec.paying(4, proposals(0.4, 0.4)) for _ in range(66)] == [0] * 64 + [1, 0]
+    # Beyond the largest row count measured: the line through the two largest, never falling.
+    assert spec.cost.at(4, 12) == 2.0 and spec.cost.at(4, 3) is None
+    spec.cost.observe(3, 3, 2.0)
+    spec.cost.observe(3, 6, 1.0)
+    assert spec.cost.at(3, 9) == 1.0 and math.isclose(spec.cost.at(3, 4), 5 / 3)
+    assert spec.paying(4, []) == 0
+    # A request's kept share counts 8 more drafted tokens at the engine's share, which counts
+    # 8 more at 0.5: a first miss, the engine's or a request's, rules nothing out.
+    first = SimpleNamespace(metrics=SimpleNamespace(num_draft_tokens=0, num_accepted_tokens=0))
+    missed = SimpleNamespace(metrics=SimpleNamespace(num_draft_tokens=2, num_accepted_tokens=0))
+    assert spec.rate(first) == 0.5 and spec.rate(missed) == 0.4
+    spec.stats = SpecDecodeStats(num_drafts=1, num_draft_tokens=2, num_accepted_tokens=0)
+    assert spec.rate(first) == 0.4 and math.isclose(spec.rate(missed), 0.32)
+
+
+def test_the_cost_gate_on_a_batch_and_its_measurements(llama, monkeypatch):
+    """A batch of decoding requests drafts where the measured cost of rows says it pays, and
+    not where it does not; the outputs are the same either way, and the engine times its
+    steps of generated tokens by their sequences and rows."""
+    path, _ = llama
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=2)
+    want = LLM(path).generate(_prompts(), params, use_tqdm=False)
+    llm = LLM(path, debug_checks=True, speculative_config=GATED)
+    llm.generate(_prompts(), params, use_tqdm=False)
+    measured = llm.engine.scheduler.speculator.cost.seconds
+    assert (3, 3) in measured and all(1 <= b <= n and t > 0 for (b, n), t in measured.items())
+    monkeypatch.setattr(StepCost, "observe", lambda *args: None)
+    monkeypatch.setattr(speculative, "_REMEASURE", 10**9)
+    drafted = {}
+    for name, per_row in (("rows cost nothing", 0.0), ("rows cost all", 1.0)):
+        llm = LLM(path, debug_checks=True, speculative_config=GATED)
+        llm.engine.scheduler.speculator.cost.seconds = {
+            (b, n): 1.0 + per_row * (n - b) for b in (1, 2, 3) for n in (b, 64)}
+        got = llm.generate(_prompts(), params, use_tqdm=False)
+        _same(want, got, logprobs=True)
+        drafted[name] = _drafts(got)[0]
+        llm.check_integrity()
+    assert drafted["rows cost nothing"] > 0 and drafted["rows cost all"] == 0, drafted
 
 
 def test_greedy_output_and_logprobs_are_unchanged(llama):

@@ -91,6 +91,8 @@ class Scheduler:
         self.debug_checks = debug_checks
         self.recompute = RecomputePlanner(chunk_cache, num_layers, max_num_batched_tokens)
         self.speculator = speculator
+        # The step being run: its sequences and rows if timed, its start.
+        self._timed, self._started = (0, 0), 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -149,6 +151,14 @@ class Scheduler:
                 self.check_invariants(out)
             except Exception as e:  # no one request's fault: the engine must stop
                 raise InvariantViolation(f"{type(e).__name__}: {e}") from e
+        if self.speculator is not None:
+            # A step of generated tokens only is timed for the speculator's cost of rows:
+            # from here to `update`, the model's forward.
+            generated = (not out.probes and all(w.end - len(w.token_ids) >= w.prompt_len
+                                                 for w in out.works))
+            rows = sum(len(w.token_ids) for w in out.works) if generated else 0
+            self._timed = (len(out.works), rows)
+            self._started = time.perf_counter()
         return out
 
     def _plan(self, req: Request, budget: int, out: SchedulerOutput,
@@ -298,6 +308,9 @@ class Scheduler:
         choose recomputed tokens from the probes' scores (one per `out.probes`). A request
         whose commit or choice fails is finished with FINISHED_ERROR and added to
         `out.failed`; the others are committed as usual."""
+        if self.speculator is not None and self._timed[1]:
+            self.speculator.cost.observe(*self._timed, time.perf_counter() - self._started)
+            self._timed = (0, 0)
         completing = {id(e): e for e in out.completing}
         for req, x in out.progress.values():
             mine = [b.entry for b in req.bindings
