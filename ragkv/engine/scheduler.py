@@ -151,9 +151,9 @@ class Scheduler:
                 self.check_invariants(out)
             except Exception as e:  # no one request's fault: the engine must stop
                 raise InvariantViolation(f"{type(e).__name__}: {e}") from e
-        if self.speculator is not None:
-            # A step of generated tokens only is timed for the speculator's cost of rows:
-            # from here to `update`, the model's forward.
+        if self.speculator is not None and self.speculator.config.adaptive:
+            # A step of generated tokens only is timed for the cost gate's StepCost: from
+            # here to `update`, the model's forward.
             generated = (not out.probes and all(w.end - len(w.token_ids) >= w.prompt_len
                                                  for w in out.works))
             rows = sum(len(w.token_ids) for w in out.works) if generated else 0
@@ -308,7 +308,7 @@ class Scheduler:
         choose recomputed tokens from the probes' scores (one per `out.probes`). A request
         whose commit or choice fails is finished with FINISHED_ERROR and added to
         `out.failed`; the others are committed as usual."""
-        if self.speculator is not None and self._timed[1]:
+        if self._timed[1]:  # rows timed only where the speculator's cost gate is on
             self.speculator.cost.observe(*self._timed, time.perf_counter() - self._started)
             self._timed = (0, 0)
         completing = {id(e): e for e in out.completing}
