@@ -168,6 +168,13 @@ class EngineConfig:
     # recompute_min_ratio and at most recompute_ratio of the chunk tokens.
     recompute_score_mass: float | None = None
     recompute_min_ratio: float | None = None
+    # Damping of stale chunk tokens (None: the profile's, else 0): the question and the
+    # generated tokens read each chunk token whose cached KV is not a full prefill's (a
+    # document after the first, not recomputed) with its attention logit lowered by this
+    # much, its weight times exp(-damping). Computed without the documents before them,
+    # those tokens draw more of the question's attention than under a full prefill
+    # (docs/fidelity.md). Applies with a recompute method only.
+    recompute_damping: float | None = None
     # Where the calibrated recompute profile comes from: "auto" (the model's, from the ragkv
     # cache directory or the package), a path, or None (no profile).
     recompute_profile: str | None = "auto"
@@ -234,6 +241,7 @@ class EngineConfig:
         check_recompute(self.recompute, self.recompute_ratio, self.recompute_sink_tokens,
                         allow_default=True)
         check_adaptive(self.recompute_score_mass, self.recompute_min_ratio, allow_default=True)
+        check_damping(self.recompute_damping, allow_default=True)
         if self.recompute_profile is not None and not isinstance(self.recompute_profile, str):
             raise ValueError(f"recompute_profile must be 'auto', a path or None, got "
                              f"{self.recompute_profile!r}")
@@ -315,6 +323,21 @@ def check_adaptive(score_mass: object, min_ratio: object, allow_default: bool = 
                          f"{score_mass!r}")
     if not (allow_default and min_ratio is None):
         _check_fraction("recompute_min_ratio", min_ratio)
+
+
+# The largest damping accepted: exp(-20) is below float32's resolution next to any weight.
+MAX_DAMPING = 20.0
+
+
+def check_damping(damping: object, allow_default: bool = False) -> None:
+    """A clear ValueError for a recompute damping that does not exist; with `allow_default`,
+    None (the engine's default) is accepted."""
+    if allow_default and damping is None:
+        return
+    if (isinstance(damping, bool) or not isinstance(damping, (int, float))
+            or not 0.0 <= damping <= MAX_DAMPING):
+        raise ValueError(f"recompute_damping must be a number in [0, {MAX_DAMPING:g}], got "
+                         f"{damping!r}")
 
 
 def _check_fraction(name: str, value: object) -> None:

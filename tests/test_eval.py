@@ -13,7 +13,7 @@ import torch
 
 from ragkv import LLM, SamplingParams
 from ragkv.eval.evaluate import _run, _run_all, evaluate, pick_items, summarize, wilson_interval
-from ragkv.eval.modes import MODES, EvalMode, get_mode, register_mode
+from ragkv.eval.modes import MODES, EvalMode, get_mode, recompute_mode_settings, register_mode
 from ragkv.eval.suite import TASKS, build_suite
 
 
@@ -107,8 +107,13 @@ def test_recompute_modes_span_sequential_to_full(tiny):
         first = _run(tiny, mode.build(prompt, []), score).outputs[0].token_ids[0]
         assert first == int(rows[0].argmax())
     assert get_mode("sink+query@0.15").description.startswith("sequential-isolated")
+    assert get_mode("query@0.1:0.5:0.9/1.5").description.endswith("damped by 1.5")
+    assert recompute_mode_settings("query@0.2/1")["recompute_damping"] == 1.0
+    assert "recompute_damping" not in recompute_mode_settings("query@0.2")
     for bad, fragment in (("blend@x", "after .@. comes a ratio"), ("blend@2", "recompute_ratio"),
-                          ("magic@0.1", "recompute must be one of")):
+                          ("magic@0.1", "recompute must be one of"),
+                          ("query@0.2/x", "after ./. comes a damping"),
+                          ("query@0.2/-1", "recompute_damping")):
         with pytest.raises(ValueError, match=fragment):
             get_mode(bad)
     tiny.check_integrity()

@@ -469,7 +469,7 @@ def test_recompute_per_request_in_extra_body(server, client, offline):
     params = SamplingParams(max_tokens=8, temperature=0)
     before = metric(server, "ragkv:chunk_recomputed_tokens_total")
     options = {"position_strategy": "sequential", "recompute": "sink+query",
-               "recompute_ratio": 0.5, "recompute_sink_tokens": 2}
+               "recompute_ratio": 0.5, "recompute_sink_tokens": 2, "recompute_damping": 1.5}
     r = client.completions.create(model=MODEL, prompt=DOCS_PROMPT, max_tokens=8,
                                   temperature=0, extra_body=options)
     want = offline.generate({"prompt": DOCS_PROMPT, **options}, params, use_tqdm=False)[0]
@@ -523,6 +523,8 @@ def test_api_key_enforced(server):
     ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "most"}, 400, "recompute"),
     ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "blend", "recompute_ratio": 2},
      400, "recompute_ratio"),
+    ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "blend", "recompute_damping": -1},
+     400, "recompute_damping"),
     ({"model": MODEL, "prompt": DOCS_PROMPT, "recompute": "blend",
       "position_strategy": "shared"}, 400, "sequential layout"),
     ({"model": MODEL, "prompt": "hi", "frequency_penalty": 3}, 400, "frequency_penalty"),

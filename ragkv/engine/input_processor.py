@@ -204,7 +204,7 @@ class InputProcessor:
                                        parsed.recompute_sink_tokens, strategy,
                                        self.model_config.num_layers,
                                        parsed.recompute_score_mass, parsed.recompute_min_ratio,
-                                       self.layers_for_all)
+                                       self.layers_for_all, parsed.recompute_damping)
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention)
         keys = ()

@@ -92,10 +92,13 @@ class Request:
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     # Selective recompute (recompute/): the request's `RecomputeSpec` (None: off),
     # the chunk tokens it recomputes (flat indices, ascending; None until chosen, kept over
-    # preemption: the choice depends only on the prompt) and how many of them have fresh KV.
+    # preemption: the choice depends only on the prompt) and how many of them have fresh KV;
+    # the stale chunk tokens the question and generated tokens read damped (ranges of flat
+    # indices, RecomputeSpec.stale; set with `selected`).
     recompute: RecomputeSpec | None = None
     selected: tuple[int, ...] | None = None
     num_recomputed: int = 0
+    stale: tuple[tuple[int, int], ...] = ()
     # Penalties (sampling/penalties.py): how often each token has been generated, counted as tokens
     # are appended (None without penalties), and the prompt's distinct token ids on the
     # device for a repetition penalty, sent once.

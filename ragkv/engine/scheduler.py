@@ -216,7 +216,9 @@ class Scheduler:
                     if n > held:
                         req.kv.append(self._alloc(req, n - held, out, may_preempt))
                     spans = ((0, x + n),)
-                    turns = layout.turns if x >= layout.question_start else ()
+                    after = x >= layout.question_start
+                    turns = layout.turns if after else ()
+                    damped = req.stale if after else ()
                 else:
                     end = layout.chunk_bounds[chunk][1]
                     binding = req.bindings[chunk]
@@ -227,11 +229,11 @@ class Scheduler:
                         continue
                     n = min(end - x, budget - used)
                     spans = layout.chunk_kv_spans(chunk, x + n)
-                    turns = ()
+                    turns = damped = ()
                     computes_chunks = True
                     if x + n == end and binding.entry is not None:
                         out.completing.append(binding.entry)
-                out.works.append(_work(req, x, x + n, spans, turns))
+                out.works.append(_work(req, x, x + n, spans, turns, damped))
                 x += n
                 used += n
         except _Blocked as blocked:
@@ -449,7 +451,8 @@ class Scheduler:
 
 
 def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...],
-          turns: tuple[tuple[int, int, int], ...]) -> SeqWork:
+          turns: tuple[tuple[int, int, int], ...],
+          damped: tuple[tuple[int, int], ...] = ()) -> SeqWork:
     sample = end == req.num_tokens
     logits_from = end - 1 if sample else end
     if sample and req.num_drafts:  # a row for the pending token and one for each draft
@@ -462,5 +465,6 @@ def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...]
         request=req, start=start, end=end, kv_spans=spans,
         token_ids=req.token_ids[start:end],
         positions=req.layout.positions(start, end),
-        sample=sample, logits_from=logits_from, turns=turns,
+        sample=sample, logits_from=logits_from, turns=turns, damped=damped,
+        damping=req.recompute.damping if damped else 0.0,
     )

@@ -34,6 +34,10 @@ class SeqWork:
     # the cached keys around them sit; `positions` are their places in the prompt).
     query_index: tuple[int, ...] | None = None
     key_positions: list[int] | None = None
+    # (start, end) ranges of the KV list the new tokens read with their attention logits
+    # lowered by `damping` (stale chunk tokens: Request.stale); () for none.
+    damped: tuple[tuple[int, int], ...] = ()
+    damping: float = 0.0
 
     @property
     def kv(self) -> SeqKV:

@@ -138,12 +138,11 @@ def add_engine_args(parser: argparse.ArgumentParser,
                              "(isolated) or itself only, reusable under any system prompt "
                              "(standalone)")
     parser.add_argument("--recompute", choices=list(RECOMPUTE_METHODS), default=None,
-                        help="selective recompute of chunk tokens (needs --position-strategy "
-                             "sequential): by K/V deviation (blend), each chunk's first "
-                             "tokens (sink), the question's attention (query), or sinks then "
-                             "a scorer (unset: with sequential positions the model's "
-                             "calibrated profile, else query 0.1 to 0.5 holding 0.9 of the "
-                             "scores; none with shared positions)")
+                        help="selective recompute of chunk tokens (sequential positions): by "
+                             "K/V deviation (blend), each chunk's first tokens (sink), the "
+                             "question's attention (query), or sinks then a scorer (unset: "
+                             "the model's calibrated profile, else query 0.1 to 0.5 holding "
+                             "0.9 of the scores; none with shared positions)")
     parser.add_argument("--recompute-ratio", type=float, default=None,
                         help="fraction of chunk tokens recomputed (0: none, 1: a full "
                              "prefill; unset: the profile's, else 0.5 in the quality mode, "
@@ -157,17 +156,18 @@ def add_engine_args(parser: argparse.ArgumentParser,
     parser.add_argument("--recompute-min-ratio", type=float, default=None,
                         help="the least an adaptive budget recomputes (unset: the profile's, "
                              "else 0.1 in the quality mode, 0 otherwise)")
+    parser.add_argument("--recompute-damping", type=float, default=None,
+                        help="the question's and answer's attention logit offset on stale "
+                             "chunk tokens (unset: the profile's, else 0)")
     parser.add_argument("--recompute-profile", default="auto",
                         help="calibrated recompute settings (ragkv calibrate): auto (the "
-                             "model's, from the ragkv cache directory or the package), a "
-                             "profile file, or none")
+                             "model's, from the cache or the package), a file, or none")
     parser.add_argument("--recompute-sink-tokens", type=int, default=None,
                         help="sink tokens per chunk (unset: the ratio of each chunk for sink "
                              f"alone, {DEFAULT_SINK_TOKENS} in sink+blend and sink+query)")
     parser.add_argument("--recompute-check-layers", type=_layer_list, default=None,
-                        help="comma-separated layers whose K/V deviation (blend) or question "
-                             "attention (query) scores chunk tokens (unset: layer 1 for blend, "
-                             "13%%, 27%% and 40%% of the depth for query)")
+                        help="layers whose K/V deviation (blend) or question attention "
+                             "(query) scores tokens (unset: 1 for blend, 13,27,40%% deep)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                         help="KV cache size in bytes (instead of --kv-cache-tokens)")
     parser.add_argument("--max-logprobs", type=int, default=20,

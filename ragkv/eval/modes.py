@@ -2,7 +2,8 @@
 attention or position mode (sequential positions, selective recompute) is one entry.
 Selective recompute is a family of modes named `METHOD@RATIO` (e.g. `blend@0.15`,
 `sink+query@0.1`): the sequential layout with that method recomputing that fraction, or
-`METHOD@LOW:HIGH:MASS` with an adaptive budget.
+`METHOD@LOW:HIGH:MASS` with an adaptive budget; `/DAMPING` after either damps the stale
+chunk tokens (`query@0.2/1`).
 
 Every mode gets the same tokens: the chat prompt split into S, chunks and Q by
 `Engine.process_chat` (documents after the system message). Modes differ only in what the
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import check_adaptive, check_recompute
+from ..config import check_adaptive, check_damping, check_recompute
 from ..inputs.prompt import ChunkedPrompt, RAGPrompt
 
 
@@ -53,7 +54,8 @@ def recompute_mode(name: str) -> EvalMode:
     adaptive budget: the fewest top-scored tokens holding MASS of the probe's scores, between
     LOW and HIGH of the chunk tokens. Scoring appends the gold answer to the question; the
     engine's query probe leaves scored tokens out, so the choice is the same as for the
-    generation."""
+    generation. `/DAMPING` after the budget lowers the question's and the answer's attention
+    logits of the stale chunk tokens by DAMPING (config.py: recompute_damping)."""
     settings = recompute_mode_settings(name)
     method, high = settings["recompute"], settings["recompute_ratio"]
     if "recompute_score_mass" not in settings:
@@ -62,6 +64,8 @@ def recompute_mode(name: str) -> EvalMode:
         description = (f"recompute={method} of the fewest chunk tokens holding "
                        f"{settings['recompute_score_mass']:g} of the scores, "
                        f"{settings['recompute_min_ratio']:g} to {high:g} of them")
+    if settings.get("recompute_damping"):
+        description += f", stale tokens damped by {settings['recompute_damping']:g}"
     return EvalMode(name, f"sequential-isolated reuse, {description}",
                     _layout("sequential", "isolated", **settings))
 
@@ -69,8 +73,17 @@ def recompute_mode(name: str) -> EvalMode:
 def recompute_mode_settings(name: str) -> dict:
     """The request settings (RAGPrompt fields) of the recompute mode `name`, checked:
     `recompute` and `recompute_ratio`, and for an adaptive budget `recompute_min_ratio` and
-    `recompute_score_mass`."""
+    `recompute_score_mass`; with `/DAMPING`, `recompute_damping`."""
     method, _, budget = name.partition("@")
+    budget, slash, damping = budget.partition("/")
+    extra = {}
+    if slash:
+        try:
+            extra["recompute_damping"] = float(damping)
+        except ValueError:
+            raise ValueError(f"eval mode {name!r}: after '/' comes a damping "
+                             "(query@0.2/1)") from None
+        check_damping(extra["recompute_damping"])
     try:
         numbers = [float(x) for x in budget.split(":")]
     except ValueError:
@@ -80,14 +93,14 @@ def recompute_mode_settings(name: str) -> dict:
                          "LOW:HIGH:MASS for an adaptive budget (query@0.05:0.3:0.8)")
     if len(numbers) == 1:
         check_recompute(method, numbers[0], None)
-        return {"recompute": method, "recompute_ratio": numbers[0]}
+        return {"recompute": method, "recompute_ratio": numbers[0], **extra}
     low, high, mass = numbers
     check_recompute(method, high, None)
     check_adaptive(mass, low)
     if low > high:
         raise ValueError(f"eval mode {name!r}: LOW must not exceed HIGH")
     return {"recompute": method, "recompute_ratio": high, "recompute_min_ratio": low,
-            "recompute_score_mass": mass}
+            "recompute_score_mass": mass, **extra}
 
 
 # The mode of the model's calibrated recompute profile (recompute/profile.py).

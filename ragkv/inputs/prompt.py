@@ -18,7 +18,7 @@ head and documents) are tokenized through the engine's `TokenCache` when it has 
 A prompt's RAG options (None: the engine's default) choose its layout, `position_strategy` and
 `chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio`,
 `recompute_sink_tokens` and an adaptive budget, `recompute_score_mass` and
-`recompute_min_ratio` (docs/rag.md; see `config.py`).
+`recompute_min_ratio`, and `recompute_damping` (docs/rag.md; see `config.py`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ import struct
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
-from ..config import check_adaptive, check_layout, check_recompute, check_separator
+from ..config import check_adaptive, check_damping, check_layout, check_recompute, check_separator
 from ..host_ints import int64_tensor
 from .token_cache import TokenCache
 
 # Per-prompt settings of a RAG prompt, each None for the engine's default.
 RAG_OPTIONS = ("position_strategy", "chunk_attention", "recompute", "recompute_ratio",
-               "recompute_sink_tokens", "recompute_score_mass", "recompute_min_ratio")
+               "recompute_sink_tokens", "recompute_score_mass", "recompute_min_ratio",
+               "recompute_damping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class RAGPrompt:
     recompute_sink_tokens: int | None = None
     recompute_score_mass: float | None = None  # an adaptive budget (config.py)
     recompute_min_ratio: float | None = None
+    recompute_damping: float | None = None  # logit offset of stale chunk tokens (config.py)
     # Rendered with the model's chat template as a chat request is (LLM.chat, the server's
     # chat endpoint; chat.split_rag_chat): `system` the system message, `chunks` the
     # documents, `question` the user message. Text parts only.
@@ -72,6 +74,7 @@ class ChunkedPrompt:
     recompute_sink_tokens: int | None = None
     recompute_score_mass: float | None = None
     recompute_min_ratio: float | None = None
+    recompute_damping: float | None = None
 
     @property
     def is_rag(self) -> bool:
@@ -242,6 +245,7 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
     check_layout(p.position_strategy, p.chunk_attention, allow_default=True)
     check_recompute(p.recompute, p.recompute_ratio, p.recompute_sink_tokens, allow_default=True)
     check_adaptive(p.recompute_score_mass, p.recompute_min_ratio, allow_default=True)
+    check_damping(p.recompute_damping, allow_default=True)
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:

@@ -109,6 +109,7 @@ class _ReadOnlyAttention:
 
     name = "compiled-decode"
     fused_ops: frozenset[str] = frozenset()
+    damps = False
 
     def __init__(self, attend, inputs: tuple) -> None:
         self.attend, self.inputs = attend, inputs  # decode_attention or verify_attention

@@ -121,12 +121,14 @@ class _SentWork:
     query_index: tuple[int, ...] | None
     key_positions: list[int] | None
     prompt_len: int
+    damped: tuple
+    damping: float
 
 
 def _sent(work) -> _SentWork:
     return _SentWork(SeqKV(row=work.kv.row), work.token_ids, work.positions, work.kv_spans,
                      work.sample, work.end, work.logits_from, work.turns, work.query_index,
-                     work.key_positions, work.prompt_len)
+                     work.key_positions, work.prompt_len, work.damped, work.damping)
 
 
 class ShardedPool:

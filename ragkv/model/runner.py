@@ -20,8 +20,9 @@ from ..cache.kv_pool import KVPool
 from ..config import EngineConfig
 from ..host_ints import int64_tensor
 from ..sampling.noise import uniform_noise
-from .backends.base import AttentionBackend, AttentionBatch, AttentionMetadata
+from .backends.base import AttentionBackend, AttentionBatch, AttentionMetadata, damping_offsets
 from .backends.registry import get_attention_backend
+from .backends.torch_sdpa import TorchAttentionBackend
 from .llama import CausalLM
 from .quantized_linear import takes_kernel
 from .reposition import Turn, TurnTable
@@ -52,6 +53,10 @@ class Work(Protocol):
     query_index: tuple[int, ...] | None
     key_positions: list[int] | None
     prompt_len: int  # the request's prompt tokens
+    # (start, end) ranges of the KV list the new tokens read with their attention logits
+    # lowered by `damping` (stale chunk tokens); () for none.
+    damped: tuple[tuple[int, int], ...]
+    damping: float
 
 
 class Probe(Protocol):
@@ -85,6 +90,8 @@ class ModelRunner:
         self.slot_table = SlotTable(config.max_num_seqs, max_model_len, device)
         self.backend = get_attention_backend(config.attention_backend, device)
         model.use_fused_ops(self.backend.fused_ops)
+        # Steps with damped logits (Work.damped) where the backend cannot apply them.
+        self.torch_backend = self.backend if self.backend.damps else TorchAttentionBackend()
         self.graphs = None  # DecodeGraphs once captured
         self.extend_graphs = None  # ExtendGraphs once captured
         if device.type == "cuda" and self.backend.name == "triton" and not config.enforce_eager:
@@ -148,12 +155,19 @@ class ModelRunner:
     def _forward(self, works: Sequence[Work]) -> torch.Tensor:
         kvs = {id(w.kv): w.kv for w in works}
         self.slot_table.sync(kvs.values())
-        if self.graphs is not None and self.graphs.can_run(works):
-            return self.graphs.run(works)
-        if self.extend_graphs is not None and self.extend_graphs.can_run(works):
-            return self.extend_graphs.run(works)
-        if self.compiled is not None and self.compiled.can_run(works):
-            return self.compiled.run(works)
+        damped = any(w.damped for w in works)
+        backend = self.backend
+        if damped and not backend.damps:
+            # Damped logits run on the torch backend (the graphs' and kernels' attention has
+            # no per-entry offset); the model's fused ops still write the K/V.
+            backend = self.torch_backend
+        elif not damped:
+            if self.graphs is not None and self.graphs.can_run(works):
+                return self.graphs.run(works)
+            if self.extend_graphs is not None and self.extend_graphs.can_run(works):
+                return self.extend_graphs.run(works)
+            if self.compiled is not None and self.compiled.can_run(works):
+                return self.compiled.run(works)
         table = self.slot_table.table
         prompt_rows = None
         order = list(range(len(works)))
@@ -216,6 +230,9 @@ class ModelRunner:
         if any(x is not None for x in query_index):
             batch.query_index = query_index
         ordered = [works[i] for i in order]
+        if damped:
+            batch.damping = [damping_offsets(w.damped, w.damping, self.device) if w.damped
+                             else None for w in ordered]
         # One transfer for ids, positions and logits rows.
         n = len(input_ids)
         extra = key_positions or []
@@ -225,15 +242,16 @@ class ModelRunner:
             self.pool.pos[batch.write_slots] = (dev_ids[n:2 * n] if keys is None
                                                 else keys).to(torch.int32)
         shared: dict[tuple, AttentionMetadata] = {}
-        metas = tuple(self._metadata(batch, ordered, k, dev_ids[n:2 * n], seq_lens, shared)
-                      for k in range(self.model.num_kinds))
+        metas = tuple(self._metadata(batch, ordered, k, dev_ids[n:2 * n], seq_lens, shared,
+                                     backend) for k in range(self.model.num_kinds))
         return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
-                          self.pool, metas, self.backend, key_positions=keys,
+                          self.pool, metas, backend, key_positions=keys,
                           prompt_rows=prompt_rows)
 
     def _metadata(self, batch: AttentionBatch, works: Sequence[Work], kind: int,
                   positions: torch.Tensor, seq_lens: list[int],
-                  shared: dict[tuple, AttentionMetadata]) -> AttentionMetadata:
+                  shared: dict[tuple, AttentionMetadata], backend: AttentionBackend
+                  ) -> AttentionMetadata:
         """The step's metadata for the layers of attention kind `kind`: its turn table (its
         RoPE's rotations), its window where it hides something. Kinds that see the step alike
         share one (`shared`, by what differs)."""
@@ -253,7 +271,7 @@ class ModelRunner:
             batch.window, batch.windowed = window, windowed
             batch.query_positions, batch.slot_positions = positions, self.pool.pos
         meta = AttentionMetadata(write_slots=batch.write_slots,
-                                 state=self.backend.prepare(batch), seq_lens=seq_lens,
+                                 state=backend.prepare(batch), seq_lens=seq_lens,
                                  q_lens=batch.q_lens)
         shared[key] = meta
         return meta

@@ -55,10 +55,12 @@ class RecomputePlanner:
         return 0, False
 
     def choose(self, req: Request, selected: tuple[int, ...]) -> None:
-        """Record the chunk tokens `req` recomputes (once: kept over preemption)."""
+        """Record the chunk tokens `req` recomputes and the stale ones it damps (once: kept
+        over preemption)."""
         if req.selected is not None:
             return
         req.selected = selected
+        req.stale = req.recompute.stale(req.layout, selected)
         req.metrics.num_recomputed_tokens = len(selected)
         if self.chunk_cache is not None:
             self.chunk_cache.count_recomputed(len(selected))

@@ -3,7 +3,7 @@ against its layout and the model, and each scorer's check layers."""
 
 from __future__ import annotations
 
-from ..config import EngineConfig, check_adaptive, check_recompute
+from ..config import EngineConfig, check_adaptive, check_damping, check_recompute
 from .selection import BLEND_CHECK_LAYER, RecomputeSpec, method_scorers, probe_plan
 
 # Check layers of `query` when none are configured, as fractions of the model's depth. Its
@@ -30,13 +30,14 @@ def check_layers_for(method: str, configured: tuple[int, ...] | None,
 def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None,
                    sink_tokens: int | None, position_strategy: str, num_layers: int,
                    score_mass: float | None = None, min_ratio: float | None = None,
-                   layers_for_all: bool = True) -> RecomputeSpec | None:
-    """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens` and adaptive
-    budget, else the engine's), or None; raises ValueError for one its layout or the model
-    cannot do. The engine's recompute is for sequential layouts: a prompt that asks for shared
-    positions without naming a method gets none. Without `layers_for_all` (the engine's check
-    layers came from a calibrated profile), they serve only methods with the engine's
-    scorers; another method probes at its own default layers."""
+                   layers_for_all: bool = True, damping: float | None = None
+                   ) -> RecomputeSpec | None:
+    """A prompt's selective recompute (its own `method`, `ratio`, `sink_tokens`, adaptive
+    budget and `damping`, else the engine's), or None; raises ValueError for one its layout
+    or the model cannot do. The engine's recompute is for sequential layouts: a prompt that
+    asks for shared positions without naming a method gets none. Without `layers_for_all`
+    (the engine's check layers came from a calibrated profile), they serve only methods with
+    the engine's scorers; another method probes at its own default layers."""
     if method is None and position_strategy != "sequential":
         method = "none"
     method = config.recompute if method is None else method
@@ -50,6 +51,8 @@ def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None
     ratio = config.recompute_ratio if ratio is None else ratio
     check_recompute(method, ratio, sink)
     check_adaptive(mass, low)
+    damping = (config.recompute_damping or 0.0) if damping is None else damping
+    check_damping(damping)
     if mass is not None and low > ratio:
         raise ValueError(f"recompute_min_ratio ({low:g}) must not exceed recompute_ratio "
                          f"({ratio:g}), the most an adaptive budget recomputes")
@@ -60,7 +63,7 @@ def recompute_spec(config: EngineConfig, method: str | None, ratio: float | None
                          f"layout, not with position_strategy={position_strategy!r}")
     layers = configured_layers(config, method, layers_for_all)
     return RecomputeSpec(method, float(ratio), sink, check_layers(method, layers, num_layers),
-                         None if mass is None else float(mass), float(low))
+                         None if mass is None else float(mass), float(low), float(damping))
 
 
 def configured_layers(config: EngineConfig, method: str, layers_for_all: bool

@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import EngineConfig, check_adaptive, check_recompute
+from ..config import EngineConfig, check_adaptive, check_damping, check_recompute
 from ..model.file_digest import cache_root
 
 logger = logging.getLogger("ragkv")
@@ -33,7 +33,8 @@ VERSION = 1
 # The profiles of the models ragkv names, shipped in the package.
 SHIPPED = Path(__file__).parent / "profiles"
 # Built-in defaults of the settings a profile supplies, when neither it nor the user gives one.
-DEFAULTS = {"recompute": "none", "recompute_ratio": 0.15, "recompute_min_ratio": 0.0}
+DEFAULTS = {"recompute": "none", "recompute_ratio": 0.15, "recompute_min_ratio": 0.0,
+            "recompute_damping": 0.0}
 # The quality mode of a model without a profile: `query` with an adaptive budget, 10% to 50%
 # of the chunk tokens holding 90% of the question's attention, at the query scorer's check
 # layers as fractions of depth (policy.QUERY_CHECK_DEPTHS). It is what `ragkv calibrate`
@@ -42,7 +43,7 @@ DEFAULTS = {"recompute": "none", "recompute_ratio": 0.15, "recompute_min_ratio":
 MODEL_AGNOSTIC = {"recompute": "query", "recompute_ratio": 0.5, "recompute_min_ratio": 0.1,
                   "recompute_score_mass": 0.9}
 SETTINGS = ("recompute", "recompute_ratio", "recompute_min_ratio", "recompute_score_mass",
-            "recompute_sink_tokens", "recompute_check_layers")
+            "recompute_sink_tokens", "recompute_check_layers", "recompute_damping")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +69,8 @@ def describe_settings(s: dict) -> str:
                    f"{s.get('recompute_min_ratio') or 0:g} to {ratio:g}")
     layers = s.get("recompute_check_layers")
     return (f"{s['recompute']}, {budget}"
-            + (f", check layers {','.join(map(str, layers))}" if layers else ""))
+            + (f", check layers {','.join(map(str, layers))}" if layers else "")
+            + (f", damping {s['recompute_damping']:g}" if s.get("recompute_damping") else ""))
 
 
 def describe_default(s: dict) -> str:
@@ -126,6 +128,7 @@ def parse_profile(data: object, path: str, fingerprint: str | None) -> Recompute
                         settings.get("recompute_sink_tokens"))
         check_adaptive(settings.get("recompute_score_mass"),
                        settings.get("recompute_min_ratio", 0.0))
+        check_damping(settings.get("recompute_damping", 0.0))
     except ValueError as e:
         raise bad(str(e)) from None
     return RecomputeProfile(path, owner, settings, bool(data.get("meets_target")), data)

@@ -31,6 +31,9 @@ class RecomputeSpec:
     # has no scores, so its budget is always `ratio`.
     score_mass: float | None = None
     min_ratio: float = 0.0
+    # Logit offset the question and generated tokens subtract from the stale tokens
+    # (`stale`); 0: none.
+    damping: float = 0.0
 
     @property
     def scorers(self) -> tuple[str, ...]:
@@ -84,6 +87,22 @@ class RecomputeSpec:
         if self.score_mass is None:
             return self.budget(total)
         return min(self.budget(total), _share(self.min_ratio, total))
+
+    def stale(self, layout: PromptLayout, selected: tuple[int, ...]
+              ) -> tuple[tuple[int, int], ...]:
+        """The (start, end) ranges of flat chunk tokens the question and the generated tokens
+        read damped: after the exact prefix, not recomputed (`selected`, ascending); () when
+        the spec does not damp."""
+        if not self.damping:
+            return ()
+        ranges, start = [], layout.exact_end
+        for x in (*selected, layout.question_start):
+            if x < start:
+                continue
+            if x > start:
+                ranges.append((start, x))
+            start = x + 1
+        return tuple(ranges)
 
     def select(self, layout: PromptLayout, scores: torch.Tensor | None) -> tuple[int, ...]:
         """R as ascending flat indices. `scores`: one float per chunk token in flat order

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..config import MAX_DAMPING
 from ..inputs.chat import content_text
 from ..inputs.prompt import RAG_OPTIONS
 from ..inputs.tools import check_tools, tool_fields
@@ -89,6 +90,7 @@ class _SamplingFields(BaseModel):
     recompute_sink_tokens: int | None = Field(default=None, ge=0)
     recompute_score_mass: float | None = Field(default=None, gt=0.0, le=1.0)
     recompute_min_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    recompute_damping: float | None = Field(default=None, ge=0.0, le=MAX_DAMPING)
     user: str | None = None
     # Structured outputs: OpenAI's response_format (json_object, json_schema) and vLLM's
     # guided_json, guided_choice and structured_outputs (json, json_object, choice). Regex and

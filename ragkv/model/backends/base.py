@@ -15,12 +15,15 @@ of its list whose keys sit at positions > p - window, the key's position being t
 RoPE rotation says (`KVPool.pos` of its slot, plus the turn of its range below). Attention
 kinds with other windows or RoPE tables get their own `AttentionBatch` and prepared state.
 
-Two RAG additions, both in the loads, never in the pool:
+Three RAG additions, all in the loads, never in the pool:
 - turns (model/reposition.py): ranges of a sequence's list whose keys it sees turned forward
   by a position delta (a cached chunk placed elsewhere than its keys were rotated for);
 - query entries (`query_index`): a sequence whose new tokens are not the last q entries of its
   list (selectively recomputed chunk tokens, scattered among cached ones); query t is entry
-  query_index[t], writes its K/V there and attends to entries 0 .. query_index[t].
+  query_index[t], writes its K/V there and attends to entries 0 .. query_index[t];
+- damping: an offset added to every query's attention logit of given entries (stale chunk
+  tokens read by the question and the answer, lowered). Backends without it (`damps`
+  False) leave such steps to the torch backend.
 
 The runner describes a step as an `AttentionBatch`; the backend turns it into its own state
 once (`prepare`), and the model carries that state in the step's `AttentionMetadata`.
@@ -71,6 +74,9 @@ class AttentionBatch:
     query_positions: torch.Tensor | None = None
     slot_positions: torch.Tensor | None = None
     windowed: list[bool] = field(default_factory=list)
+    # Per sequence, the offsets [n] (float32, on the device) added to every query's logits of
+    # the first n entries of its list (`damping_offsets`), or None; empty: none this step.
+    damping: list[torch.Tensor | None] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -93,6 +99,16 @@ class AttentionBatch:
             first = int(index[0])  # ascending: no query sees less than the first one does
             return torch.arange(first, k, device=device)[None, :] <= index[:, None]
         return causal_mask(q, q, device) if q > 1 else None
+
+    def damped(self, i: int) -> bool:
+        """Whether sequence i's logits of some entries are offset (`damping`)."""
+        return bool(self.damping) and self.damping[i] is not None
+
+    def offsets(self, i: int, k: int | None = None) -> torch.Tensor:
+        """[k] float32 logit offsets of sequence i over its whole list (k: its length)."""
+        k = self.kv_lens[i] if k is None else k
+        d = self.damping[i][:k]
+        return d if d.shape[0] == k else torch.cat([d, d.new_zeros(k - d.shape[0])])
 
     def windows(self, i: int) -> bool:
         """Whether sequence i's attention is cut by the sliding window (`window_mask`)."""
@@ -133,6 +149,8 @@ class AttentionBackend(Protocol):
     name: str
     # The fused model ops (FUSED_OPS) this backend runs with; the runner switches them on.
     fused_ops: frozenset[str]
+    # Whether it applies `AttentionBatch.damping` (else the runner runs such steps on torch).
+    damps: bool
 
     def prepare(self, batch: AttentionBatch) -> object:
         """The backend's state for one step, derived once from `batch`."""
@@ -158,3 +176,15 @@ def causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
     """[q, k] bool, bottom-right causal: query t sees entries 0 .. k-q+t."""
     rows = torch.arange(q, device=device)[:, None] + (k - q)
     return torch.arange(k, device=device)[None, :] <= rows
+
+
+def damping_offsets(ranges: tuple[tuple[int, int], ...], damping: float,
+                    device: torch.device) -> torch.Tensor:
+    """[end of the last range] float32: -damping inside the (start, end) ranges, 0 between
+    them. Three launches whatever the number of ranges: a difference array, then its running
+    sum."""
+    bounds = torch.tensor(ranges, dtype=torch.int64).T.to(device)
+    step = torch.zeros(ranges[-1][1] + 1, dtype=torch.float64, device=device)
+    step.index_add_(0, bounds[0], step.new_full((len(ranges),), -damping))
+    step.index_add_(0, bounds[1], step.new_full((len(ranges),), damping))
+    return step.cumsum(0)[:-1].to(torch.float32)

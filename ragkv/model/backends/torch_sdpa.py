@@ -23,7 +23,9 @@ class _TorchState:
     decode_rows: torch.Tensor | None = None  # their token rows in the flattened batch
     all_decode: bool = False  # every row is a decode row, in order: no row gather needed
     decode_index: torch.Tensor | None = None  # [B, max_k] slots, padded with slot 0
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_k] True where attended
+    # [B, 1, 1, max_k] True where attended; float (-inf where not, plus the logit offsets)
+    # when some decode row is damped.
+    decode_mask: torch.Tensor | None = None
     # When decode rows have turns: each entry's segment [B, max_k] (0: keys as stored, j:
     # the row's j-th turn) and each row's query turns [B, m, head_dim] (cos, sin turning the
     # query back; turn 0 is the identity). See `turned_decode`.
@@ -34,6 +36,8 @@ class _TorchState:
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     # Masks of sequences attended through `attend_turned` (AttentionBatch.mask).
     seq_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # [k] logit offsets of the damped extend sequences (AttentionBatch.offsets).
+    seq_offsets: dict[int, torch.Tensor] = field(default_factory=dict)
     # [q, k] masks of sequences whose sliding window cuts (`attend_windowed`).
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
     batch: AttentionBatch | None = None
@@ -41,16 +45,17 @@ class _TorchState:
 
 def turned_probs(q: torch.Tensor, ks: torch.Tensor, turns: tuple[Turn, ...],
                  table: TurnTable | None, scale: float,
-                 mask: torch.Tensor | None) -> torch.Tensor:
+                 mask: torch.Tensor | None, offsets: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """Attention weights of one sequence whose keys may be turned, in float32:
     [kv_heads, group * q_len, k] (the query heads of each KV head, query-major).
 
     q: [q_len, heads, d]; ks: [k, kv_heads, d], its gathered KV list; `turns`: (start, end,
     row) ranges of `table`, ascending and disjoint; mask: [q_len, m] bool over the last m
-    entries (True: attended; the entries before them are seen by every query) or None (all).
-    The scores of each turn come from one matmul against the queries turned back by its
-    delta, so the cost over plain attention is rotating q_len query rows per turn, not the
-    turn's keys."""
+    entries (True: attended; the entries before them are seen by every query) or None (all);
+    offsets: [k] added to every query's scores (damping) or None. The scores of each turn
+    come from one matmul against the queries turned back by its delta, so the cost over
+    plain attention is rotating q_len query rows per turn, not the turn's keys."""
     q_len, heads, d = q.shape
     k_len, kv_heads = ks.shape[0], ks.shape[1]
     group = heads // kv_heads
@@ -80,6 +85,8 @@ def turned_probs(q: torch.Tensor, ks: torch.Tensor, turns: tuple[Turn, ...],
         parts.append(plain @ keys[:, :, done:])
     scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
     scores.mul_(scale)
+    if offsets is not None:
+        scores.add_(offsets)
     if mask is not None:
         m = mask.shape[1]
         tail = scores.view(kv_heads, group, q_len, k_len)[..., k_len - m:]
@@ -89,12 +96,14 @@ def turned_probs(q: torch.Tensor, ks: torch.Tensor, turns: tuple[Turn, ...],
 
 def turned_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                      turns: tuple[Turn, ...], table: TurnTable | None, scale: float,
-                     mask: torch.Tensor | None) -> torch.Tensor:
+                     mask: torch.Tensor | None, offsets: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """One sequence's attention when some of its keys are turned (or its mask is not
-    bottom-right causal): `turned_probs` times the values, [q_len, heads, d]."""
+    bottom-right causal, or its logits offset): `turned_probs` times the values,
+    [q_len, heads, d]."""
     q_len, heads, d = q.shape
     kv_heads = ks.shape[1]
-    probs = turned_probs(q, ks, turns, table, scale, mask)
+    probs = turned_probs(q, ks, turns, table, scale, mask, offsets)
     out = probs @ vs.float().transpose(0, 1)  # [kv_heads, group * q_len, d]
     return out.view(kv_heads, heads // kv_heads, q_len, d).permute(2, 0, 1, 3).reshape(
         q_len, heads, d).to(q.dtype)
@@ -127,7 +136,7 @@ def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: 
     query turns (cos, sin: [B, m, d]) each entry is scored with; mask: [B, 1, 1, k] or None.
     Every query is turned m ways and scored against all entries ([B, kv_heads, m * group,
     k]: m times the products of plain decode, which reads each key once either way), then
-    each entry keeps the score of its own turn."""
+    each entry keeps the score of its own turn. A float mask is added (damped rows)."""
     batch, heads, d = q.shape
     kv_heads, k_len = ks.shape[1], ks.shape[2]
     group, m = heads // kv_heads, cos.shape[1]
@@ -145,8 +154,10 @@ def turned_decode(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, segment: 
         scores = torch.bmm(rows, ks[:, h].transpose(1, 2))  # [B, m * group, k]
         scores = scores.view(batch, m, group, k_len).gather(1, pick).squeeze(1)
         scores.mul_(scale)
-        if mask is not None:
+        if mask is not None and mask.dtype == torch.bool:
             scores.masked_fill_(~mask[:, 0], float("-inf"))
+        elif mask is not None:
+            scores.add_(mask[:, 0])
         torch.bmm(torch.softmax(scores, dim=-1), vs[:, h], out=out[:, h])
     return out.view(batch, heads, d).to(q.dtype)
 
@@ -169,7 +180,8 @@ def turn_keys(ks: torch.Tensor, turns: tuple[Turn, ...], table: TurnTable | None
 
 def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                           turns: tuple[Turn, ...], table: TurnTable | None, scale: float,
-                          mask: torch.Tensor | None) -> torch.Tensor:
+                          mask: torch.Tensor | None, offsets: torch.Tensor | None = None
+                          ) -> torch.Tensor:
     """`turned_attention` computed the other way round, for many queries: the gathered keys
     of each turn are turned forward by its delta, in float32, then one fused SDPA call
     attends. `ks` must be the caller's own gathered copy (never a view of the pool): in
@@ -190,10 +202,10 @@ def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
         return o[0].transpose(0, 1)
 
     if mask is None:
-        return sdpa(qf, ks, vs, None).to(q.dtype)
+        return sdpa(qf, ks, vs, None if offsets is None else offsets[None]).to(q.dtype)
     m = mask.shape[1]
     seen = k_len - m  # entries every query sees
-    if m == q_len and 2 * q_len > k_len:
+    if m == q_len and 2 * q_len > k_len and offsets is None:
         # Each row of a mask sees a prefix of its entries (queries ascend), so a square mask
         # is causal: the queries are the last q_len entries. Padded in front with `seen` zero
         # rows (their output dropped), it is SDPA's own causal case, whose kernel skips the
@@ -212,13 +224,15 @@ def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
         if seen:
             rows = torch.cat([rows.new_ones(t1 - t0, seen), rows], dim=1)
         end = seen + width
+        if offsets is not None:
+            rows = offsets[:end].expand(t1 - t0, end).masked_fill(~rows, float("-inf"))
         out[t0:t1] = sdpa(qf[t0:t1], ks[:end], vs[:end], rows).to(q.dtype)
     return out
 
 
 def attend_windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     batch: AttentionBatch, i: int, mask: torch.Tensor, scale: float,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
     """Sequence i of the step under its [q, k] window mask (AttentionBatch.window_mask),
     keys turned first, in row blocks: each block attends over the span of entries some of
     its rows see (a window keeps that span about window + block wide in long prompts)."""
@@ -235,9 +249,12 @@ def attend_windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         rows = mask[t0:t1]
         seen = rows.any(0).nonzero()
         a, b = int(seen[0]), int(seen[-1]) + 1
+        rows = rows[:, a:b]
+        if offsets is not None:
+            rows = offsets[a:b].expand(rows.shape).masked_fill(~rows, float("-inf"))
         o = F.scaled_dot_product_attention(
             qf[t0:t1].transpose(0, 1).unsqueeze(0), ks[a:b].transpose(0, 1).unsqueeze(0),
-            vs[a:b].transpose(0, 1).unsqueeze(0), attn_mask=rows[:, a:b], scale=scale,
+            vs[a:b].transpose(0, 1).unsqueeze(0), attn_mask=rows, scale=scale,
             enable_gqa=heads != ks.shape[1])
         out[qs + t0:qs + t1] = o[0].transpose(0, 1).to(q.dtype)
 
@@ -261,13 +278,28 @@ def decode_window_mask(batch: AttentionBatch, decode: list[int], max_k: int,
     return torch.stack(rows)[:, None, None, :]
 
 
+def decode_offsets(batch: AttentionBatch, decode: list[int], max_k: int,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, 1, 1, max_k] float32 for the decode rows `decode`: each row's logit offsets
+    (AttentionBatch.offsets; 0 past them), -inf where the bool `mask` hides an entry."""
+    offsets = torch.zeros(len(decode), max_k, device=batch.write_slots.device)
+    for b, i in enumerate(decode):
+        if batch.damped(i):
+            k = min(max_k, batch.damping[i].shape[0])
+            offsets[b, :k] = batch.damping[i][:k]
+    if mask is not None:
+        offsets.masked_fill_(~mask[:, 0, 0], float("-inf"))
+    return offsets[:, None, None, :]
+
+
 # From this many queries on, a sequence with turns turns its keys instead of its queries.
 _TURN_KEYS_FROM = 64
 
 
 def attend_turned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   batch: AttentionBatch, i: int, index: torch.Tensor,
-                  mask: torch.Tensor | None, scale: float, out: torch.Tensor) -> None:
+                  mask: torch.Tensor | None, scale: float, out: torch.Tensor,
+                  offsets: torch.Tensor | None = None) -> None:
     """Sequence i of the step through `turned_attention` (or `turned_keys_attention` when
     it has many queries), written into its rows of `out`."""
     qs, ql = batch.q_starts[i], batch.q_lens[i]
@@ -275,7 +307,7 @@ def attend_turned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     attend = turned_keys_attention if ql >= _TURN_KEYS_FROM else turned_attention
     out[qs:qs + ql] = attend(
         q[qs:qs + ql], k_cache.index_select(0, index), v_cache.index_select(0, index),
-        turns, batch.turn_table, scale, mask)
+        turns, batch.turn_table, scale, mask, offsets)
 
 
 class TorchAttentionBackend:
@@ -283,6 +315,7 @@ class TorchAttentionBackend:
 
     name = "torch"
     fused_ops: frozenset[str] = frozenset()
+    damps = True
 
     def prepare(self, batch: AttentionBatch) -> _TorchState:
         state = _TorchState(batch=batch)
@@ -307,12 +340,16 @@ class TorchAttentionBackend:
             state.all_decode = len(decode) == batch.num_seqs
             if any(batch.turned(i) for i in decode):
                 state.decode_turns = build_decode_turns(batch, decode, max_k, device)
+            if any(batch.damped(i) for i in decode):
+                state.decode_mask = decode_offsets(batch, decode, max_k, state.decode_mask)
         for i in state.extend_seqs:
             q, k = batch.q_lens[i], batch.kv_lens[i]
+            if batch.damped(i):
+                state.seq_offsets[i] = batch.offsets(i)
             if batch.windows(i):
                 state.window_masks[i] = batch.window_mask(i, device)
                 continue
-            if batch.turned(i) or batch.indexed(i):
+            if batch.turned(i) or batch.indexed(i) or batch.damped(i):
                 # Gathered from the pool even when the list is only the new tokens (recomputed
                 # chunk tokens with no S before them): the new K/V are written first.
                 state.seq_masks[i] = batch.mask(i, device)
@@ -352,11 +389,11 @@ class TorchAttentionBackend:
             qs, ql, kl = batch.q_starts[i], batch.q_lens[i], batch.kv_lens[i]
             if i in state.window_masks:
                 attend_windowed(q, k_cache, v_cache, batch, i, state.window_masks[i], scale,
-                                out)
+                                out, state.seq_offsets.get(i))
                 continue
             if i in state.seq_masks:
                 attend_turned(q, k_cache, v_cache, batch, i, state.extend_index[i],
-                              state.seq_masks[i], scale, out)
+                              state.seq_masks[i], scale, out, state.seq_offsets.get(i))
                 continue
             if ql == kl and k is not None:
                 ks, vs = k[qs:qs + ql], v[qs:qs + ql]

@@ -96,6 +96,7 @@ class TritonAttentionBackend:
     """Triton kernels for CUDA; on CUDA it runs with every fused model op (`fused_ops`)."""
 
     name = "triton"
+    damps = False  # damped logits (AttentionBatch.damping) run on the torch backend
 
     def __init__(self, device: torch.device | None = None) -> None:
         if triton is None:
