@@ -156,12 +156,10 @@ class ModelRunner:
         kvs = {id(w.kv): w.kv for w in works}
         self.slot_table.sync(kvs.values())
         damped = any(w.damped for w in works)
-        backend = self.backend
-        if damped and not backend.damps:
-            # Damped logits run on the torch backend (the graphs' and kernels' attention has
-            # no per-entry offset); the model's fused ops still write the K/V.
-            backend = self.torch_backend
-        elif not damped:
+        # Damped logits run on a backend that applies them (`torch_backend`: the graphs' and
+        # kernels' attention has no per-entry offset); the model's fused ops still write K/V.
+        backend = self.torch_backend if damped else self.backend
+        if not damped:
             if self.graphs is not None and self.graphs.can_run(works):
                 return self.graphs.run(works)
             if self.extend_graphs is not None and self.extend_graphs.can_run(works):

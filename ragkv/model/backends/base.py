@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from ...cache.kv_pool import KVPool
-from ..reposition import Turn, TurnTable, turned_positions
+from ..reposition import Turn, TurnTable, entry_turns, turned_positions
 
 # The fused model ops a backend may offer (`AttentionBackend.fused_ops`): the residual add and
 # RMSNorm, silu(gate) * up, and RoPE on q and k with the K/V store (then `attend`).
@@ -181,10 +181,6 @@ def causal_mask(q: int, k: int, device: torch.device) -> torch.Tensor:
 def damping_offsets(ranges: tuple[tuple[int, int], ...], damping: float,
                     device: torch.device) -> torch.Tensor:
     """[end of the last range] float32: -damping inside the (start, end) ranges, 0 between
-    them. Three launches whatever the number of ranges: a difference array, then its running
-    sum."""
-    bounds = torch.tensor(ranges, dtype=torch.int64).T.to(device)
-    step = torch.zeros(ranges[-1][1] + 1, dtype=torch.float64, device=device)
-    step.index_add_(0, bounds[0], step.new_full((len(ranges),), -damping))
-    step.index_add_(0, bounds[1], step.new_full((len(ranges),), damping))
-    return step.cumsum(0)[:-1].to(torch.float32)
+    them; the ranges marked as turns' are (`entry_turns`, a few launches for any number)."""
+    inside = entry_turns([(a, b, 0) for a, b in ranges], ranges[-1][1], device) >= 0
+    return torch.where(inside, -float(damping), 0.0).to(torch.float32)

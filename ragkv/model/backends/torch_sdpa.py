@@ -225,7 +225,7 @@ def turned_keys_attention(q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
             rows = torch.cat([rows.new_ones(t1 - t0, seen), rows], dim=1)
         end = seen + width
         if offsets is not None:
-            rows = offsets[:end].expand(t1 - t0, end).masked_fill(~rows, float("-inf"))
+            rows = offset_mask(rows, offsets[:end])
         out[t0:t1] = sdpa(qf[t0:t1], ks[:end], vs[:end], rows).to(q.dtype)
     return out
 
@@ -251,7 +251,7 @@ def attend_windowed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         a, b = int(seen[0]), int(seen[-1]) + 1
         rows = rows[:, a:b]
         if offsets is not None:
-            rows = offsets[a:b].expand(rows.shape).masked_fill(~rows, float("-inf"))
+            rows = offset_mask(rows, offsets[a:b])
         o = F.scaled_dot_product_attention(
             qf[t0:t1].transpose(0, 1).unsqueeze(0), ks[a:b].transpose(0, 1).unsqueeze(0),
             vs[a:b].transpose(0, 1).unsqueeze(0), attn_mask=rows, scale=scale,
@@ -285,11 +285,16 @@ def decode_offsets(batch: AttentionBatch, decode: list[int], max_k: int,
     offsets = torch.zeros(len(decode), max_k, device=batch.write_slots.device)
     for b, i in enumerate(decode):
         if batch.damped(i):
-            k = min(max_k, batch.damping[i].shape[0])
-            offsets[b, :k] = batch.damping[i][:k]
+            offsets[b] = batch.offsets(i, max_k)
     if mask is not None:
-        offsets.masked_fill_(~mask[:, 0, 0], float("-inf"))
+        offsets = offset_mask(mask[:, 0, 0], offsets)
     return offsets[:, None, None, :]
+
+
+def offset_mask(visible: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A float mask from a bool one (`visible`) and logit offsets over its last dimension:
+    the offset where visible, -inf elsewhere."""
+    return offsets.expand(visible.shape).masked_fill(~visible, float("-inf"))
 
 
 # From this many queries on, a sequence with turns turns its keys instead of its queries.
