@@ -8,9 +8,11 @@ Both layouts are one pass of HF transformers (eager attention, float32) over the
 with an explicit mask, the one-pass references of docs/rag.md: `full` is causal; `sequential`
 gives every later document a hidden copy of S right before it (its cached KV was computed
 after S and re-positioned), so it sees that copy and itself, and the question sees S and every
-document. Questions come from the calibration split (suite seed 1009), not the reported one.
+document. `--primer` adds the `primed` layout: every later document sees a hidden copy of S and
+a fixed primer passage P (benchmarks/diag_primed_chunks.py). Questions come from the
+calibration split (suite seed 1009), not the reported one.
 
-    python benchmarks/diag_attention_shift.py --questions 30
+    python benchmarks/diag_attention_shift.py --questions 30 [--primer]
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ from ragkv.model.loader import load_hf_model
 
 REGIONS = ("S", "first document", "later documents", "question")
 BUCKETS = ("first 4", "4-15", "middle", "last 4")
+# A neutral passage in no eval document's style: the primer P of the `primed` layout.
+PRIMER = ("The river rises in the hills to the north and runs south for about two hundred "
+          "kilometres before it reaches the sea. Its valley has been farmed for a long time, "
+          "and several small towns grew up where roads cross it. The climate is mild, with "
+          "most of the rain falling in autumn and winter.")
 
 
-def layouts(system: list[int], chunks: list[list[int]], question: list[int]):
-    """For `full` and `sequential`: token ids, positions, visibility [T, T], and where S, each
-    document and the question sit in those ids (a list of (start, end))."""
+def layouts(system: list[int], chunks: list[list[int]], question: list[int],
+            primer: list[int] | None = None):
+    """For `full` and `sequential` (and `primed`, given a primer P): token ids, positions,
+    visibility [T, T], and where S, each document and the question sit in those ids (a list of
+    (start, end))."""
     s = len(system)
     flat = s + sum(map(len, chunks))
     total = flat + len(question)
@@ -43,19 +52,24 @@ def layouts(system: list[int], chunks: list[list[int]], question: list[int]):
     out = {"full": (ids, list(range(total)), visible, spans, (flat, total))}
     # Sequential: every later document sees a copy of S right before it, not S and not the
     # documents before it; copies come after the question, seen by their document alone.
-    seq_ids, positions = list(ids), list(range(total))
-    vis = torch.zeros(total + s * (len(chunks) - 1), total + s * (len(chunks) - 1),
-                      dtype=torch.bool)
-    vis[:total, :total] = visible
-    at = total
-    for a, b in spans[1:]:
-        seq_ids.extend(system)
-        positions.extend(range(a - s, a))
-        vis[a:b, :a] = False
-        vis[a:b, at:at + s] = True
-        vis[at:at + s, at:at + s] = torch.ones(s, s, dtype=torch.bool).tril()
-        at += s
-    out["sequential"] = (seq_ids, positions, vis, spans, (flat, total))
+    # Primed: the copy is S + P, so the document's KV is what S + P + document computes.
+    for name, context in (("sequential", list(system)), ("primed", list(system) + (primer or []))):
+        if name == "primed" and primer is None:
+            continue
+        c = len(context)
+        seq_ids, positions = list(ids), list(range(total))
+        size = total + c * (len(chunks) - 1)
+        vis = torch.zeros(size, size, dtype=torch.bool)
+        vis[:total, :total] = visible
+        at = total
+        for a, b in spans[1:]:
+            seq_ids.extend(context)
+            positions.extend(range(a - c, a))
+            vis[a:b, :a] = False
+            vis[a:b, at:at + c] = True
+            vis[at:at + c, at:at + c] = torch.ones(c, c, dtype=torch.bool).tril()
+            at += c
+        out[name] = (seq_ids, positions, vis, spans, (flat, total))
     return out
 
 
@@ -89,35 +103,41 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=30)
     parser.add_argument("--suite-seed", type=int, default=1009)
     parser.add_argument("--bucket-layer", type=int, default=8)
+    parser.add_argument("--primer", action="store_true",
+                        help="also the `primed` layout (benchmarks/diag_primed_chunks.py)")
     args = parser.parse_args()
     items = [i for i in build_suite(args.questions, seed=args.suite_seed)
              if i.task == "single-first"][:args.questions]
     engine = LLM(args.model, dtype="float32").engine  # the chat template's S / chunks / Q
     hf = load_hf_model(args.model, attn_implementation="eager")
+    primer = (engine.tokenizer.encode("\n\n" + PRIMER, add_special_tokens=False)
+              if args.primer else None)
     sums: dict[str, list[torch.Tensor]] = {}
     for item in items:
         p = question_prompt(engine, item.system, item.documents, item.question)
         for name, (ids, pos, vis, spans, question) in layouts(
-                list(p.system), [list(c) for c in p.chunks], list(p.question)).items():
+                list(p.system), [list(c) for c in p.chunks], list(p.question), primer).items():
             regions, buckets = attention_shares(hf, ids, pos, vis, spans, question)
             acc = sums.setdefault(name, [torch.zeros_like(regions), torch.zeros_like(buckets)])
             acc[0] += regions
             acc[1] += buckets
     n = len(items)
+    names = list(sums)
     print(f"{args.model}, {n} single-first questions (suite seed {args.suite_seed}): the "
-          "question's attention share, full -> sequential\n")
+          f"question's attention share, {' -> '.join(names)}\n")
     print("| layer | " + " | ".join(REGIONS) + " |")
     print("| --- |" + " --- |" * len(REGIONS))
-    full, seq = sums["full"][0] / n, sums["sequential"][0] / n
-    for layer in range(full.shape[0]):
-        print(f"| {layer} | " + " | ".join(f"{full[layer, k]:.3f} -> {seq[layer, k]:.3f}"
+    shares = [sums[name][0] / n for name in names]
+    for layer in range(shares[0].shape[0]):
+        print(f"| {layer} | " + " | ".join(" -> ".join(f"{x[layer, k]:.3f}" for x in shares)
                                            for k in range(len(REGIONS))) + " |")
     layer = args.bucket_layer
-    fb, sb = sums["full"][1][layer] / n, sums["sequential"][1][layer] / n
+    buckets = [sums[name][1][layer] / n for name in names]
     print(f"\nLayer {layer}, the later documents' tokens (summed over the documents):")
     print("| " + " | ".join(BUCKETS) + " |")
     print("|" + " --- |" * len(BUCKETS))
-    print("| " + " | ".join(f"{fb[k]:.4f} -> {sb[k]:.4f}" for k in range(len(BUCKETS))) + " |")
+    print("| " + " | ".join(" -> ".join(f"{x[k]:.4f}" for x in buckets)
+                            for k in range(len(BUCKETS))) + " |")
 
 
 if __name__ == "__main__":
