@@ -53,9 +53,12 @@ def layouts(system: list[int], chunks: list[list[int]], question: list[int],
     # Sequential: every later document sees a copy of S right before it, not S and not the
     # documents before it; copies come after the question, seen by their document alone.
     # Primed: the copy is S + P, so the document's KV is what S + P + document computes.
-    for name, context in (("sequential", list(system)), ("primed", list(system) + (primer or []))):
-        if name == "primed" and primer is None:
-            continue
+    # (A copy's positions go below 0 when it is longer than what precedes its document: RoPE
+    # attention depends only on position differences, so that computes the same.)
+    contexts = {"sequential": list(system)}
+    if primer is not None:
+        contexts["primed"] = list(system) + list(primer)
+    for name, context in contexts.items():
         c = len(context)
         seq_ids, positions = list(ids), list(range(total))
         size = total + c * (len(chunks) - 1)
@@ -73,12 +76,16 @@ def layouts(system: list[int], chunks: list[list[int]], question: list[int],
     return out
 
 
+def additive(visible: torch.Tensor) -> torch.Tensor:
+    """The float mask HF transformers adds to the attention logits: 0 where visible, else -inf."""
+    return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+
+
 @torch.inference_mode()
 def attention_shares(hf, ids, positions, visible, spans, question):
     """[layers, 4] the question's attention shares on REGIONS, and [layers, 4] the later
     documents' BUCKETS (summed over documents)."""
-    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[None, None]
-    out = hf(input_ids=torch.tensor([ids]), attention_mask=mask,
+    out = hf(input_ids=torch.tensor([ids]), attention_mask=additive(visible)[None, None],
              position_ids=torch.tensor([positions]), output_attentions=True)
     q0, q1 = question
     s = spans[0][0]

@@ -30,7 +30,7 @@ import math
 import time
 
 import torch
-from diag_attention_shift import PRIMER, layouts
+from diag_attention_shift import PRIMER, additive, layouts
 
 from ragkv import LLM
 from ragkv.eval.evaluate import question_prompt
@@ -38,10 +38,6 @@ from ragkv.eval.suite import TASKS, build_suite, is_correct
 from ragkv.model.loader import load_hf_model
 
 CHECK_LAYERS = (4, 8, 12)
-
-
-def additive(visible: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
 
 
 @torch.inference_mode()
@@ -95,6 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     tasks = args.tasks.split(",")
     modes = args.modes.split(",")
+    scored = {m.partition("@")[0] for m in modes if "@" in m}  # layouts a selection reads
     items = [i for i in build_suite(args.per_task, seed=args.suite_seed) if i.task in tasks]
     engine = LLM(args.model, dtype="float32").engine  # the chat template's S / chunks / Q
     hf = load_hf_model(args.model, attn_implementation="eager")
@@ -118,7 +115,7 @@ def main() -> None:
                     _, scores[name] = answer(hf, eos, ids, pos, vis, question, 1, True)
                 vis = recomputed(vis, spans, scores[name], float(ratio))
             tokens, att = answer(hf, eos, ids, pos, vis, question, args.max_tokens,
-                                 attention=not ratio and name != "full")
+                                 attention=not ratio and name in scored)
             if att is not None:
                 scores[name] = att
             right.setdefault((item.task, mode), []).append(is_correct(tok.decode(tokens), item))
