@@ -33,7 +33,8 @@ def rag_layout(s: int, chunk_lens: list[int], q: int) -> tuple[list[int], torch.
 
 
 def layout_reference(system: list[int], chunks: list[list[int]], question: list[int],
-                     position_strategy: str = "shared", chunk_attention: str = "isolated"
+                     position_strategy: str = "shared", chunk_attention: str = "isolated",
+                     primer: list[int] = ()
                      ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
     """Token ids, positions, visibility [T, T] and hidden tokens [T] (bool: seen by no token
     after the prompt) of one pass over a RAG prompt in any layout (docs/rag.md).
@@ -46,7 +47,8 @@ def layout_reference(system: list[int], chunks: list[list[int]], question: list[
     after S and re-positioned by rotating its keys, so a chunk placed at t_i > s sees S at
     t_i-s .. t_i-1. The one-pass reference says exactly that with a copy of S at those
     positions that only the chunk sees (`hidden`: nothing after the chunk sees the copy).
-    With `shared` positions, or for the first chunk, the copy would be S itself."""
+    With `shared` positions, or for the first chunk, the copy would be S itself. A `primer`
+    P (sequential, isolated) puts a copy of S + P before every chunk after the first."""
     s = len(system)
     ids = list(system)
     positions = list(range(s))
@@ -54,18 +56,21 @@ def layout_reference(system: list[int], chunks: list[list[int]], question: list[
     hidden: set[int] = set()
     visible_after: list[int] = list(range(s))  # what the question sees
     flat = s
-    for chunk in chunks:
+    primed = position_strategy == "sequential" and chunk_attention == "isolated"
+    for i, chunk in enumerate(chunks):
         target = flat if position_strategy == "sequential" else s
         context: list[int] = []
-        if chunk_attention == "isolated" and s:
-            if target == s:
+        before = list(system) + (list(primer) if primed and i else [])
+        if chunk_attention == "isolated" and before:
+            if target == s and len(before) == s:
                 context = list(range(s))
-            else:  # a copy of S right before the chunk, hidden from everything else
+            else:  # a copy of S (+ P) right before the chunk, hidden from everything else
+                n = len(before)
                 base = len(ids)
-                ids.extend(system)
-                positions.extend(range(target - s, target))
-                context = list(range(base, base + s))
-                sees.extend(context[:j + 1] for j in range(s))
+                ids.extend(before)
+                positions.extend(range(target - n, target))
+                context = list(range(base, base + n))
+                sees.extend(context[:j + 1] for j in range(n))
                 hidden.update(context)
         start = len(ids)
         ids.extend(chunk)

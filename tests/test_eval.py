@@ -119,6 +119,40 @@ def test_recompute_modes_span_sequential_to_full(tiny):
     tiny.check_integrity()
 
 
+def test_primed_modes_on_an_engine_with_a_chunk_primer():
+    """`+primer` modes compute later documents after the engine's primer: they score
+    otherwise than their base modes, r = 1 still scores like `full`, the base modes are
+    untouched by the engine's primer, and `+primer` on a layout it does not apply to, or on
+    an engine without a primer, is a clear error."""
+    from ragkv.eval.modes import engine_primer
+
+    assert engine_primer(["full", "query@0.2+primer"], None) == "default"
+    assert engine_primer(["full", "sequential"], None) is None
+    assert engine_primer(["sequential+primer"], "text") == "text"
+    primed = LLM("builtin:tiny", dtype="float32", device="cpu", chunk_primer="default")
+    items = pick_items(build_suite(3, seed=4), 4)
+    names = ["sequential", "sequential+primer", "query@0.3+primer", "blend@1+primer"]
+    summary = {m: s["overall"] for m, s in summarize(evaluate(
+        primed, items, names, max_tokens=3, progress=False)).items()}
+    assert summary["sequential+primer"]["gold_logprob"] != pytest.approx(
+        summary["sequential"]["gold_logprob"], abs=1e-4)
+    assert summary["blend@1+primer"]["gold_logprob"] == pytest.approx(
+        summary["full"]["gold_logprob"], abs=1e-4)
+    assert 0 < summary["query@0.3+primer"]["recomputed_mean"] <= 0.31
+    plain = {m: s["overall"] for m, s in summarize(evaluate(
+        LLM("builtin:tiny", dtype="float32", device="cpu"), items, ["sequential"],
+        max_tokens=3, progress=False)).items()}
+    assert plain["sequential"]["gold_logprob"] == pytest.approx(
+        summary["sequential"]["gold_logprob"], abs=1e-4)
+    assert get_mode("query@0.2+primer").description.endswith("after the chunk primer")
+    with pytest.raises(ValueError, match="sequential-isolated modes"):
+        get_mode("chunk+primer")
+    with pytest.raises(ValueError, match="chunk_primer=true needs"):
+        evaluate(LLM("builtin:tiny", dtype="float32", device="cpu"), items[:1],
+                 ["sequential+primer"], max_tokens=2, progress=False)
+    primed.check_integrity()
+
+
 def test_batched_eval_equals_one_request_at_a_time(tiny):
     """Questions and modes in flight together give each request what it gets alone (up to
     the order of float sums): same answers and correctness, gold log-likelihoods within 1e-4;

@@ -646,11 +646,11 @@ def test_chunks_computed_in_a_step_are_recomputed_the_step_after():
     out = sched.schedule()  # readmitted: the chunks again, nothing recomputed yet
     entries = {s for b in req.bindings for s in b.entry.slots}
     assert all(w.query_index is None for w in out.works)
-    assert {req.kv.slots[p] for w in out.works for p in w.write_positions()} >= entries
+    assert {slot for w in out.works for slot in w.write_slots()} >= entries
     sched.update(out)
     out = sched.schedule()
     assert [w.query_index for w in out.works][0] == (2, 3, 6, 7)
-    written = {req.kv.slots[p] for w in out.works for p in w.write_positions()}
+    written = {slot for w in out.works for slot in w.write_slots()}
     assert not written & entries  # the entries are never written by the recompute
 
 

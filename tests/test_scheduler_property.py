@@ -3,7 +3,8 @@ with shared and duplicate chunks, on tiny KV pools, tiny chunk regions and tiny 
 arriving at random steps and aborted at random steps, driven one `engine.step()` at a time.
 
 Each RAG request takes one of the four layouts (shared or sequential positions, isolated or
-standalone chunks) or selective recompute at r = 1 or r = 0, so entries are shared across
+standalone chunks), the primed one (later chunks computed after S and a chunk primer, on
+engines drawn with one) or selective recompute at r = 1 or r = 0, so entries are shared across
 layouts, and re-positioned chunks and recomputed tokens meet every mechanism. Whatever the
 interleaving (chunked prefill, chunk jobs shared between requests, preemption and recompute,
 prefix-cache eviction, chunk-cache eviction), every request that
@@ -80,7 +81,11 @@ LAYOUTS = (("shared", "isolated", None, None), ("sequential", "isolated", "none"
            ("shared", "standalone", None, None), ("sequential", "standalone", "none", None),
            ("sequential", "isolated", "sink+blend", 1.0),
            ("sequential", "standalone", "query", 1.0),
-           ("sequential", "isolated", "blend", 0.0))
+           ("sequential", "isolated", "blend", 0.0),
+           ("sequential", "isolated", "primed", None))
+# The chunk primer of engines drawn with one (chunk_primer; 4 tokens with the test tokenizer):
+# the `primed` layout computes later chunks after S + P, every other layout turns it off.
+PRIMER = "river"
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,11 @@ class Workload:
             return {"prompt_token_ids": system + question}
         chunks = [self.tokens(self.pool[i], 200) for i in req.chunks]
         strategy, attention, recompute, ratio = LAYOUTS[req.layout]
+        primed = recompute == "primed" and "chunk_primer" in self.config
         return RAGPrompt(system, chunks, question, position_strategy=strategy,
-                         chunk_attention=attention, recompute=recompute, recompute_ratio=ratio)
+                         chunk_attention=attention, recompute_ratio=ratio,
+                         recompute="none" if recompute == "primed" else recompute,
+                         chunk_primer=primed)
 
 
 def prompt_len(w: Workload, req: Req) -> int:
@@ -124,6 +132,11 @@ def workloads(draw) -> Workload:
         max_num_batched_tokens=draw(st.integers(2, 8) | st.integers(2, 64)),
         max_num_seqs=draw(st.integers(1, 8)), enable_prefix_caching=draw(st.booleans()),
     )
+    if draw(st.booleans()):  # P is computed in one step, into the chunk region
+        config.update(chunk_primer=PRIMER,
+                      max_num_batched_tokens=max(config["max_num_batched_tokens"], 4),
+                      chunk_cache_tokens=max(chunk_region, 4),
+                      kv_cache_tokens=general + max(chunk_region, 4))
     # Few distinct seeds, so that chunks and systems repeat across and within requests.
     systems = tuple(draw(st.lists(st.tuples(st.integers(0, 10), st.integers(0, 2)),
                                   min_size=1, max_size=2)))
@@ -159,36 +172,38 @@ def workloads(draw) -> Workload:
 # --------------------------------------------------------------------------------- reference
 
 
-def _parts(prompt) -> tuple[tuple, tuple, tuple, tuple[str, str]]:
+def _parts(prompt, primer: tuple[int, ...]) -> tuple[tuple, tuple, tuple, tuple]:
+    """(S, chunks, Q, (position_strategy, chunk_attention, P)) of a prompt's one pass."""
     if isinstance(prompt, RAGPrompt) and prompt.recompute_ratio == 1.0:
         flat = list(prompt.system) + [t for c in prompt.chunks for t in c] + prompt.question
-        return (), (), tuple(flat), LAYOUTS[0][:2]
+        return (), (), tuple(flat), (*LAYOUTS[0][:2], ())
     if isinstance(prompt, RAGPrompt):
         return (tuple(prompt.system), tuple(tuple(c) for c in prompt.chunks),
-                tuple(prompt.question), (prompt.position_strategy, prompt.chunk_attention))
-    return (), (), tuple(prompt["prompt_token_ids"]), LAYOUTS[0][:2]
+                tuple(prompt.question), (prompt.position_strategy, prompt.chunk_attention,
+                                         primer if prompt.chunk_primer else ()))
+    return (), (), tuple(prompt["prompt_token_ids"]), (*LAYOUTS[0][:2], ())
 
 
-def _layout(system: tuple, chunks: tuple, question: tuple, layout: tuple[str, str]):
+def _layout(system: tuple, chunks: tuple, question: tuple, layout: tuple):
     # No chunks: an ordinary prompt, whatever the layout.
     return layout_reference(list(system), [list(c) for c in chunks], list(question), *layout)
 
 
 @functools.cache
 def _reference(hf, system: tuple, chunks: tuple, question: tuple,
-               layout: tuple[str, str]) -> tuple[int, ...]:
+               layout: tuple) -> tuple[int, ...]:
     ids, positions, visible, hidden = _layout(system, chunks, question, layout)
     return tuple(reference_greedy(hf, ids, positions, visible, MAX_TOKENS, hidden=hidden)[0])
 
 
-def check_greedy_up_to_ties(hf, prompt, got: list[int]) -> None:
+def check_greedy_up_to_ties(hf, prompt, got: list[int], primer: tuple[int, ...] = ()) -> None:
     """`got` must be the reference's greedy continuation of `prompt`, up to near-ties: the
     random-weight model has ties now and then (two tokens within ~1e-5, so float rounding
     picks either), so where the tokens differ, every token of `got` must be within TIE_TOL
     (1e-4) log-probability of the reference's best given the tokens before it. Not exact: a
     corrupted KV that moved a near-tie by less than TIE_TOL would pass; one that moves the
-    distribution does not."""
-    key = _parts(prompt)
+    distribution does not. `primer`: the engine's P, for a prompt that asks for it."""
+    key = _parts(prompt, primer)
     if got == list(_reference(hf, *key))[:len(got)]:
         return
     ids, positions, visible, hidden = _layout(*key)
@@ -282,7 +297,7 @@ def run_workload(path: str, hf, w: Workload, report=lambda text: None) -> list[s
         assert out.prompt_token_ids == flat(prompts[rid]), rid
         assert got.finish_reason == "length", (rid, got.finish_reason, out.error)
         assert len(got.token_ids) == req.max_tokens, rid
-        check_greedy_up_to_ties(hf, prompts[rid], got.token_ids)
+        check_greedy_up_to_ties(hf, prompts[rid], got.token_ids, tuple(engine.inputs.primer))
         # Each chunk occurrence is looked up once, however often the request was preempted
         # and recomputed; a request always computes at least its last prompt token.
         m = out.metrics
@@ -302,6 +317,8 @@ def run_workload(path: str, hf, w: Workload, report=lambda text: None) -> list[s
         "abort": bool(aborted), "chunk hit": bool(chunk_stats.hits),
         "chunk eviction": bool(chunk_stats.evictions), "prefix hit": bool(stats.prefix_hit_tokens),
         "repositioned": any(o.metrics.num_repositioned_tokens for o in outputs.values()),
+        "primed": any(isinstance(p, RAGPrompt) and p.chunk_primer and len(p.chunks) > 1
+                      for rid, p in prompts.items() if rid in outputs),
     }
     assert chunk_stats.used_tokens <= chunk_stats.capacity_tokens
     assert chunk_stats.lookups == chunk_stats.hits + chunk_stats.misses

@@ -9,7 +9,8 @@ keyed by a hash of
   (tenants never share entries). The entry format is in it so that replicas of two versions
   during a rolling upgrade use different keys instead of deleting each other's entries as
   unreadable. The position strategy is not: the stored bytes do not depend on it;
-- the system tokens its KV depends on (none for a standalone chunk);
+- the system tokens its KV depends on (none for a standalone chunk; S + P for a primed chunk,
+  computed after the chunk primer P: inputs/layout.py);
 - its own tokens.
 The tokens travel with the key (`ChunkKey`), and the chunk cache compares them on every hit,
 so a hash collision can never serve wrong KV.
@@ -39,7 +40,7 @@ class ChunkKey:
 
     key: bytes
     namespace: str
-    system: tuple[int, ...]  # the system tokens its KV depends on (() if standalone)
+    system: tuple[int, ...]  # the tokens its KV depends on (() if standalone, S + P if primed)
     tokens: tuple[int, ...]
 
     def __len__(self) -> int:
@@ -74,12 +75,16 @@ class ChunkKeys:
         return ChunkKey(self.hash(namespace, system, tokens), namespace, system, tokens)
 
     def of_prompt(self, system: Sequence[int], chunks: Sequence[Sequence[int]],
-                  chunk_attention: str, cache_salt: str | None) -> tuple[ChunkKey, ...]:
+                  chunk_attention: str, cache_salt: str | None,
+                  primer: Sequence[int] = ()) -> tuple[ChunkKey, ...]:
         """The keys of a prompt's chunks, in order: an isolated chunk's KV depends on the
-        system tokens, a standalone one's only on its own."""
+        system tokens, a standalone one's only on its own; with `primer` (P, a primed
+        layout's) every chunk after the first depends on S + P."""
         namespace = self.namespace(chunk_attention, cache_salt)
         scope = tuple(system) if chunk_attention == "isolated" else ()
-        return tuple(self.make(namespace, scope, tuple(c)) for c in chunks)
+        primed = scope + tuple(primer)
+        return tuple(self.make(namespace, primed if i else scope, tuple(c))
+                     for i, c in enumerate(chunks))
 
 
 def make_hasher(algo: str):

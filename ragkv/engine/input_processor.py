@@ -26,6 +26,7 @@ from ..cache.kv_manager import SeqKV
 from ..config import EngineConfig, check_separator
 from ..inputs.chat import split_chat_prompt, split_rag_chat
 from ..inputs.layout import PromptLayout
+from ..inputs.primer import primer_tokens
 from ..inputs.prompt import (
     RAG_OPTIONS,
     ChunkedPrompt,
@@ -55,6 +56,7 @@ class ProcessedPrompt:
     layout: PromptLayout
     chunk_keys: tuple[ChunkKey, ...]
     recompute: RecomputeSpec | None
+    primer_key: ChunkKey | None = None  # P's key when the layout is primed
 
 
 class InputProcessor:
@@ -80,6 +82,10 @@ class InputProcessor:
         max_chars = 2 * max_model_len * max_token_chars(tokenizer)
         self.rules = PromptRules(model_config.vocab_size, config.chunk_separator,
                                  config.max_chunk_tokens, config.oversize_chunk, max_chars)
+        self.primer = primer_tokens(tokenizer, config.chunk_primer)
+        if len(self.primer) > config.max_num_batched_tokens:  # P is computed in one step
+            raise ValueError(f"chunk_primer has {len(self.primer)} tokens, more than "
+                             f"max_num_batched_tokens={config.max_num_batched_tokens}")
         self._rng = random.Random(config.seed)
         self._counter = 0
         # The engine's own defaults must be possible on this model.
@@ -174,7 +180,7 @@ class InputProcessor:
                 params=params, seed=seed, max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
                 metrics=RequestMetrics(arrival_time=arrival,
                                        num_repositioned_tokens=repositioned),
-                layout=layout, chunk_keys=done.chunk_keys,
+                layout=layout, chunk_keys=done.chunk_keys, primer_key=done.primer_key,
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
@@ -205,13 +211,21 @@ class InputProcessor:
                                        self.model_config.num_layers,
                                        parsed.recompute_score_mass, parsed.recompute_min_ratio,
                                        self.layers_for_all, parsed.recompute_damping)
+        primed = self.primer if parsed.chunk_primer is not False else ()
+        if parsed.chunk_primer and not primed:
+            raise ValueError("chunk_primer=true needs an engine with a chunk primer "
+                             "(chunk_primer / --chunk-primer)")
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
-                                    strategy, attention)
-        keys = ()
+                                    strategy, attention, len(primed))
+        keys, primer_key = (), None
         if self.chunk_keys is not None and parsed.chunks:
+            primer = primed if layout.primer_len else ()
             keys = self.chunk_keys.of_prompt(parsed.system, parsed.chunks, attention,
-                                             parsed.cache_salt)
-        return ProcessedPrompt(parsed, layout, keys, recompute)
+                                             parsed.cache_salt, primer)
+            if primer:
+                primer_key = self.chunk_keys.of_prompt(parsed.system, [primer], attention,
+                                                       parsed.cache_salt)[0]
+        return ProcessedPrompt(parsed, layout, keys, recompute, primer_key)
 
     def _layout_of(self, prompt: ChunkedPrompt) -> tuple[str, str]:
         """(position_strategy, chunk_attention) of a prompt: its own, else the engine's; a

@@ -66,6 +66,9 @@ class Request:
     layout: PromptLayout
     # Each chunk's key in the chunk cache (none without one), made once per request.
     chunk_keys: tuple[ChunkKey, ...] = ()
+    # A primed layout's primer P as a chunk after S (inputs/primer.py): its KV is read by the
+    # later chunks this request computes. Its binding follows the chunks' in `bindings`.
+    primer_key: ChunkKey | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
     kv: SeqKV = field(default_factory=SeqKV)
@@ -122,7 +125,7 @@ class Request:
             self.cumulative_logprob = 0.0
         if self.params.counts_tokens:
             self.output_counts = Counter(self.output_token_ids)
-        self.bindings = [None] * len(self.layout.chunk_bounds)
+        self.bindings = [None] * (len(self.layout.chunk_bounds) + (self.primer_key is not None))
         self.looked_up = [False] * len(self.chunk_keys)
 
     @property

@@ -220,6 +220,12 @@ class Scheduler:
                     turns = layout.turns if after else ()
                     damped = req.stale if after else ()
                 else:
+                    primer = ()
+                    if layout.primer_len:
+                        primer, n = self._primer(req, out, budget - used)
+                        used += n
+                        if primer is None:  # P does not fit what is left of the budget
+                            break
                     end = layout.chunk_bounds[chunk][1]
                     binding = req.bindings[chunk]
                     if binding is None:
@@ -228,12 +234,16 @@ class Scheduler:
                         x = end  # reused: its KV is ready (or completes earlier this step)
                         continue
                     n = min(end - x, budget - used)
+                    if n == 0:
+                        break
                     spans = layout.chunk_kv_spans(chunk, x + n)
                     turns = damped = ()
                     computes_chunks = True
                     if x + n == end and binding.entry is not None:
                         out.completing.append(binding.entry)
                 out.works.append(_work(req, x, x + n, spans, turns, damped))
+                if chunk is not None and layout.primed(chunk):
+                    out.works[-1].primer = primer
                 x += n
                 used += n
         except _Blocked as blocked:
@@ -283,6 +293,48 @@ class Scheduler:
         req.kv.append(self._alloc(req, end - start, out, may_preempt))
         req.bindings[i] = ChunkBinding(None, computing=True)
         return req.bindings[i]
+
+    def _primer(self, req: Request, out: SchedulerOutput, room: int
+                ) -> tuple[tuple[int, ...] | None, int]:
+        """The slots of the primer P's KV, which `req`'s primed chunks read, and the budget
+        used. P is bound when planning first reaches the chunks, before any chunk claims room
+        in the chunk region: reused when the cache has it, else computed at once, whole, by
+        a work of its own (None, and nothing planned, while it does not fit `room`). So a
+        request never holds P's entry unfinished across a step another one waits on."""
+        at = len(req.layout.chunk_bounds)
+        binding = req.bindings[at]
+        if binding is None:
+            cache = self.chunk_cache
+            entry = cache.find_or_load(req.primer_key)  # uncounted: P is no document
+            if entry is LOADING:
+                raise _Blocked(_Stop.LOADING)
+            if entry is not None:
+                if not (entry.complete or entry in out.completing):
+                    raise _Blocked(_Stop.CHUNK_WAIT)
+                cache.pin(entry)
+                binding = ChunkBinding(entry, computing=False)
+            else:
+                if len(req.primer_key) > room:
+                    return None, 0
+                entry = cache.reserve(req.primer_key)
+                if entry is None and len(req.primer_key) > cache.capacity:
+                    raise ValueError(f"the chunk primer ({len(req.primer_key)} tokens) does "
+                                     f"not fit the chunk region ({cache.capacity} slots)")
+                if entry is None:  # the region is full of pinned entries: later
+                    raise _Blocked(_Stop.NO_SLOTS)
+                binding = ChunkBinding(entry, computing=True)
+            req.bindings[at] = binding
+        entry = binding.entry
+        slots = tuple(entry.slots)
+        if entry.complete or entry in out.completing:
+            return slots, 0
+        s = req.layout.system_len  # reserved just now, with room for all of P
+        out.works.append(SeqWork(
+            request=req, start=s, end=s, kv_spans=((0, s),),
+            token_ids=list(req.primer_key.tokens), positions=list(range(s, s + len(slots))),
+            sample=False, logits_from=s, primer=slots, computes_primer=True))
+        out.completing.append(entry)
+        return slots, len(slots)
 
     def _alloc(self, req: Request, n: int, out: SchedulerOutput, may_preempt: bool) -> list[int]:
         """`n` general-region slots, preempting newer unscheduled requests if allowed."""
@@ -411,6 +463,17 @@ class Scheduler:
             if id(req) not in running or req.status is not RequestStatus.RUNNING:
                 raise AssertionError(f"scheduler: work for request {req.request_id}, which is "
                                      f"not running ({req.status.value})")
+            if w.computes_primer:
+                if (w.kv_spans != ((0, req.layout.system_len),) or not w.primer
+                        or len(w.token_ids) != len(w.primer)):
+                    raise AssertionError(f"scheduler: malformed primer work for request "
+                                         f"{req.request_id}")
+                for slot in w.write_slots():
+                    if slot == 0 or slot in written:
+                        raise AssertionError(f"scheduler: slot {slot} written twice in one "
+                                             "step (or the padding slot)")
+                    written.add(slot)
+                continue
             q = w.end - w.start
             if req.num_drafts and not (w.sample and w.end - w.logits_from == req.num_drafts + 1):
                 raise AssertionError(f"scheduler: request {req.request_id}'s work does not "
@@ -424,7 +487,7 @@ class Scheduler:
             if w.query_index is None and chunk is not None and not (
                     req.bindings[chunk] and req.bindings[chunk].computing):
                 raise AssertionError("scheduler: a work writes into a chunk it only reuses")
-            for slot in (req.kv.slots[p] for p in w.write_positions()):
+            for slot in w.write_slots():
                 if slot == 0 or slot in written:
                     raise AssertionError(f"scheduler: slot {slot} written twice in one step "
                                          "(or the padding slot)")

@@ -38,6 +38,12 @@ class SeqWork:
     # lowered by `damping` (stale chunk tokens: Request.stale); () for none.
     damped: tuple[tuple[int, int], ...] = ()
     damping: float = 0.0
+    # A primed chunk's (inputs/layout.py): the slots of the chunk primer P's KV, which the KV
+    # list holds after its first range (S). A work that computes P itself
+    # (`computes_primer`: its tokens are P's, in no flat range, start == end) has the one
+    # range S and writes the last of these slots.
+    primer: tuple[int, ...] = ()
+    computes_primer: bool = False
 
     @property
     def kv(self) -> SeqKV:
@@ -51,13 +57,16 @@ class SeqWork:
 
     @property
     def num_kv(self) -> int:
-        return sum(b - a for a, b in self.kv_spans)
+        return sum(b - a for a, b in self.kv_spans) + len(self.primer)
 
-    def write_positions(self) -> range | tuple[int, ...]:
-        """Entries of `request.kv.slots` the work's new K/V go to."""
+    def write_slots(self) -> list[int]:
+        """The slots the work's new K/V go to."""
+        if self.computes_primer:
+            return list(self.primer[len(self.primer) - len(self.token_ids):])
+        slots = self.request.kv.slots
         if self.query_index is not None:
-            return self.query_index
-        return range(self.end - len(self.token_ids), self.end)
+            return [slots[x] for x in self.query_index]
+        return slots[self.end - len(self.token_ids):self.end]
 
 
 @dataclass(slots=True)

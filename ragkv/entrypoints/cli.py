@@ -159,6 +159,10 @@ def add_engine_args(parser: argparse.ArgumentParser,
     parser.add_argument("--recompute-damping", type=float, default=None,
                         help="the question's and answer's attention logit offset on stale "
                              "chunk tokens (unset: the profile's, else 0)")
+    parser.add_argument("--chunk-primer", default=None,
+                        help="compute every document after the first after S and this "
+                             "passage (sequential positions, isolated chunks): 'default' "
+                             "for the built-in one, or the text (unset: none)")
     parser.add_argument("--recompute-profile", default="auto",
                         help="calibrated recompute settings (ragkv calibrate): auto (the "
                              "model's, from the cache or the package), a file, or none")
@@ -303,35 +307,30 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..eval.evaluate import (
-        evaluate,
-        format_summary,
-        pick_items,
-        plot_summary,
-        report_json,
-        summarize,
-    )
+    from ..eval import evaluate as ev
+    from ..eval.modes import engine_primer
     from ..eval.suite import build_suite
     from ..llm import LLM
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    items = pick_items(build_suite(args.num_per_task, seed=args.suite_seed), args.limit)
-    llm = LLM(args.model, **engine_kwargs(args))
-    results = evaluate(llm, items, modes, max_tokens=args.max_tokens,
-                       progress=not args.no_progress, batch_size=args.batch_size)
-    summary = summarize(results)
+    items = ev.pick_items(build_suite(args.num_per_task, seed=args.suite_seed), args.limit)
+    llm = LLM(args.model, **{**engine_kwargs(args),
+                             "chunk_primer": engine_primer(modes, args.chunk_primer)})
+    results = ev.evaluate(llm, items, modes, max_tokens=args.max_tokens,
+                          progress=not args.no_progress, batch_size=args.batch_size)
+    summary = ev.summarize(results)
     print(f"model {args.model}: {len(items)} questions, suite seed {args.suite_seed}")
-    print(format_summary(summary))
+    print(ev.format_summary(summary))
     if args.json:
         meta = {"model": args.model, "suite_seed": args.suite_seed,
                 "num_per_task": args.num_per_task, "limit": args.limit,
                 "num_items": len(items), "modes": list(summary), "max_tokens": args.max_tokens,
                 "batch_size": args.batch_size}
         with open(args.json, "w") as f:
-            json.dump(report_json(results, summary, meta), f, indent=2)
+            json.dump(ev.report_json(results, summary, meta), f, indent=2)
         print(f"results written to {args.json}")
     if args.plot:
-        plot_summary(summary, args.plot)
+        ev.plot_summary(summary, args.plot)
         print(f"plot written to {args.plot}")
     return 0
 

@@ -3,7 +3,9 @@ attention or position mode (sequential positions, selective recompute) is one en
 Selective recompute is a family of modes named `METHOD@RATIO` (e.g. `blend@0.15`,
 `sink+query@0.1`): the sequential layout with that method recomputing that fraction, or
 `METHOD@LOW:HIGH:MASS` with an adaptive budget; `/DAMPING` after either damps the stale
-chunk tokens (`query@0.2/1`).
+chunk tokens (`query@0.2/1`). `+primer` after a sequential-isolated mode (`sequential+primer`,
+`query@0.2+primer`, `calibrated+primer`) computes every document after the first after S
+and the engine's chunk primer (inputs/primer.py).
 
 Every mode gets the same tokens: the chat prompt split into S, chunks and Q by
 `Engine.process_chat` (documents after the system message). Modes differ only in what the
@@ -12,8 +14,8 @@ model computes over them, so any difference in the answers is the cost of that m
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from ..config import check_adaptive, check_damping, check_recompute
 from ..inputs.prompt import ChunkedPrompt, RAGPrompt
@@ -27,6 +29,30 @@ class EvalMode:
     name: str
     description: str
     build: Callable[[ChunkedPrompt, list[int]], object]
+    primable: bool = False  # sequential-isolated: `+primer` applies
+
+
+# The suffix of a mode whose later documents are computed after the chunk primer.
+PRIMED = "+primer"
+
+
+def primed_mode(base: EvalMode) -> EvalMode:
+    """`base` (sequential-isolated) with every document after the first computed after S and
+    the engine's chunk primer."""
+    if not base.primable:
+        raise ValueError(f"eval mode {base.name + PRIMED!r}: the chunk primer applies to "
+                         "sequential-isolated modes (sequential, METHOD@..., calibrated)")
+    return EvalMode(base.name + PRIMED,
+                    f"{base.description}; later documents computed after the chunk primer",
+                    lambda p, tail: replace(base.build(p, tail), chunk_primer=True))
+
+
+def engine_primer(names: Sequence[str], given: str | None) -> str | None:
+    """The engine's chunk primer for these modes: `given`, else the built-in one when a mode
+    asks for it."""
+    if given is None and any(n.endswith(PRIMED) for n in names):
+        return "default"
+    return given
 
 
 def _full(p: ChunkedPrompt, tail: list[int]) -> object:
@@ -37,13 +63,14 @@ def _full(p: ChunkedPrompt, tail: list[int]) -> object:
 def _layout(position_strategy: str, chunk_attention: str, **recompute: object
             ) -> Callable[[ChunkedPrompt, list[int]], object]:
     # A layout mode names its recompute: none unless given, never the engine's default.
+    # Nor the engine's chunk primer: `+primer` modes ask for it.
     recompute.setdefault("recompute", "none")
 
     def build(p: ChunkedPrompt, tail: list[int]) -> object:
         return RAGPrompt(system=list(p.system), chunks=[list(c) for c in p.chunks],
                          question=list(p.question) + tail, cache_salt=p.cache_salt,
                          position_strategy=position_strategy, chunk_attention=chunk_attention,
-                         **recompute)
+                         chunk_primer=False, **recompute)
 
     return build
 
@@ -67,7 +94,7 @@ def recompute_mode(name: str) -> EvalMode:
     if settings.get("recompute_damping"):
         description += f", stale tokens damped by {settings['recompute_damping']:g}"
     return EvalMode(name, f"sequential-isolated reuse, {description}",
-                    _layout("sequential", "isolated", **settings))
+                    _layout("sequential", "isolated", **settings), primable=True)
 
 
 def recompute_mode_settings(name: str) -> dict:
@@ -130,7 +157,14 @@ def calibrated_mode(engine) -> EvalMode:
     options = {k: v for k, v in s.items() if k != "recompute_check_layers"}
     return EvalMode(CALIBRATED, f"sequential-isolated reuse with the calibrated profile: "
                                 f"{profile.describe()}",
-                    _layout("sequential", "isolated", **options))
+                    _layout("sequential", "isolated", **options), primable=True)
+
+
+def mode_of(engine, name: str) -> EvalMode:
+    """The mode `name` on `engine` (`calibrated` reads its model's profile)."""
+    if name.endswith(PRIMED):
+        return primed_mode(mode_of(engine, name[:-len(PRIMED)]))
+    return calibrated_mode(engine) if name == CALIBRATED else get_mode(name)
 
 
 MODES: dict[str, EvalMode] = {}
@@ -141,6 +175,8 @@ def register_mode(mode: EvalMode) -> None:
 
 
 def get_mode(name: str) -> EvalMode:
+    if name.endswith(PRIMED):
+        return primed_mode(get_mode(name[:-len(PRIMED)]))
     mode = MODES.get(name)
     if mode is None and "@" in name:
         return recompute_mode(name)
@@ -161,7 +197,7 @@ register_mode(EvalMode("chunk", "chunk-cache reuse: each document sees S and its
 register_mode(EvalMode("sequential", "chunk-cache reuse with documents at their places in the "
                                      "prompt (keys rotated), each seeing S and itself "
                                      "(positions=sequential, attention=isolated)",
-                       _layout("sequential", "isolated")))
+                       _layout("sequential", "isolated"), primable=True))
 register_mode(EvalMode("standalone", "chunk-cache reuse, documents at their places in the "
                                      "prompt, each seeing only itself, so one cached copy "
                                      "serves every system prompt (positions=sequential, "

@@ -21,7 +21,12 @@ class PromptLayout:
     request places chunk i at its *target* positions: s for every chunk (`shared`) or where
     the chunk lies in the flat prompt (`sequential`); the question and generated tokens follow
     the longest chunk (`shared`) or the last one (`sequential`). Whoever attends to chunk i
-    later sees its keys turned forward by `chunk_deltas[i]` = target - base (`turns`)."""
+    later sees its keys turned forward by `chunk_deltas[i]` = target - base (`turns`).
+
+    A *primed* layout (sequential positions, isolated chunks, a chunk primer P of
+    `primer_len` tokens) computes every chunk after the first after S + P instead: base
+    s + p, KV list S + P + itself, so that it is computed as a document that follows another
+    one. The first chunk stays where it lies. Nothing after the chunks reads P."""
 
     system_len: int
     chunk_bounds: tuple[tuple[int, int], ...]  # [start, end) of each chunk
@@ -33,24 +38,30 @@ class PromptLayout:
     # token indices (which are also KV-list indices for the question and generated tokens).
     turns: tuple[tuple[int, int, int], ...] = ()
     question_offset: int = 0  # RoPE position minus flat index, for Q and generated tokens
+    primer_len: int = 0  # p: chunks after the first are computed after S + P (0: none)
 
     @classmethod
     def build(cls, system_len: int, chunk_lens: list[int], position_strategy: str = "shared",
-              chunk_attention: str = "isolated") -> PromptLayout:
+              chunk_attention: str = "isolated", primer_len: int = 0) -> PromptLayout:
+        """`primer_len` applies to sequential, isolated layouts only (elsewhere no chunk
+        follows another one where its KV is computed)."""
         bounds, start = [], system_len
         for n in chunk_lens:
             bounds.append((start, start + n))
             start += n
         sees_system = chunk_attention == "isolated"
-        base = system_len if sees_system else 0
         sequential = position_strategy == "sequential"
-        deltas = tuple((a if sequential else system_len) - base for a, _ in bounds)
+        p = primer_len if sequential and sees_system and len(bounds) > 1 else 0
+        base = [(system_len + (p if i else 0)) if sees_system else 0 for i in range(len(bounds))]
+        deltas = tuple((a if sequential else system_len) - b
+                       for (a, _), b in zip(bounds, base, strict=True))
         longest = max(chunk_lens, default=0)
         return cls(
             system_len=system_len, chunk_bounds=tuple(bounds), question_start=start,
             max_chunk_len=longest, sees_system=sees_system, chunk_deltas=deltas,
             turns=tuple((a, b, d) for (a, b), d in zip(bounds, deltas, strict=True) if d),
             question_offset=0 if sequential or not bounds else system_len + longest - start,
+            primer_len=p,
         )
 
     @property
@@ -68,6 +79,16 @@ class PromptLayout:
             return s
         return self.chunk_bounds[0][1]
 
+    def primed(self, chunk: int) -> bool:
+        """Whether chunk `chunk`'s KV is computed after S + P."""
+        return chunk > 0 and self.primer_len > 0
+
+    def chunk_base(self, chunk: int) -> int:
+        """Position of chunk `chunk`'s first token where its KV is computed."""
+        if not self.sees_system:
+            return 0
+        return self.system_len + (self.primer_len if self.primed(chunk) else 0)
+
     def chunk_at(self, x: int) -> int | None:
         """Index of the chunk holding flat token x, if any."""
         if not self.system_len <= x < self.question_start:
@@ -78,22 +99,22 @@ class PromptLayout:
         return None
 
     def chunk_kv_spans(self, chunk: int, end: int) -> tuple[tuple[int, int], ...]:
-        """The KV list (ranges of flat tokens) of chunk tokens computed up to flat `end`."""
+        """The KV list (ranges of flat tokens) of chunk tokens computed up to flat `end`. A
+        primed chunk's list has P between these two ranges (S, then the chunk)."""
         start = self.chunk_bounds[chunk][0]
-        if self.sees_system and self.system_len:
+        if self.sees_system and (self.system_len or self.primed(chunk)):
             return ((0, self.system_len), (start, end))
         return ((start, end),)
 
     def chunk_positions(self, xs: list[int]) -> tuple[list[int], list[int]]:
         """Base positions (where the cache computed their keys) and target positions (where
         the request places them) of the chunk tokens `xs`, ascending flat indices."""
-        base_of = self.system_len if self.sees_system else 0
         base, target = [], []
         i = 0
         for x in xs:
             while self.chunk_bounds[i][1] <= x:
                 i += 1
-            b = base_of + x - self.chunk_bounds[i][0]
+            b = self.chunk_base(i) + x - self.chunk_bounds[i][0]
             base.append(b)
             target.append(b + self.chunk_deltas[i])
         return base, target
@@ -107,6 +128,6 @@ class PromptLayout:
         if start >= self.question_start:
             offset = self.question_offset
             return list(range(start + offset, end + offset))
-        chunk_start = self.chunk_bounds[self.chunk_at(start)][0]
-        base = s if self.sees_system else 0
-        return list(range(base + start - chunk_start, base + end - chunk_start))
+        chunk = self.chunk_at(start)
+        base = self.chunk_base(chunk) - self.chunk_bounds[chunk][0]
+        return list(range(base + start, base + end))

@@ -18,7 +18,8 @@ head and documents) are tokenized through the engine's `TokenCache` when it has 
 A prompt's RAG options (None: the engine's default) choose its layout, `position_strategy` and
 `chunk_attention`, and its selective recompute, `recompute`, `recompute_ratio`,
 `recompute_sink_tokens` and an adaptive budget, `recompute_score_mass` and
-`recompute_min_ratio`, and `recompute_damping` (docs/rag.md; see `config.py`).
+`recompute_min_ratio`, and `recompute_damping`, and whether later chunks are computed after
+the engine's chunk primer, `chunk_primer` (docs/rag.md; see `config.py`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .token_cache import TokenCache
 # Per-prompt settings of a RAG prompt, each None for the engine's default.
 RAG_OPTIONS = ("position_strategy", "chunk_attention", "recompute", "recompute_ratio",
                "recompute_sink_tokens", "recompute_score_mass", "recompute_min_ratio",
-               "recompute_damping")
+               "recompute_damping", "chunk_primer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +52,7 @@ class RAGPrompt:
     recompute_score_mass: float | None = None  # an adaptive budget (config.py)
     recompute_min_ratio: float | None = None
     recompute_damping: float | None = None  # logit offset of stale chunk tokens (config.py)
+    chunk_primer: bool | None = None  # later chunks after the engine's primer; None: its default
     # Rendered with the model's chat template as a chat request is (LLM.chat, the server's
     # chat endpoint; chat.split_rag_chat): `system` the system message, `chunks` the
     # documents, `question` the user message. Text parts only.
@@ -75,6 +77,7 @@ class ChunkedPrompt:
     recompute_score_mass: float | None = None
     recompute_min_ratio: float | None = None
     recompute_damping: float | None = None
+    chunk_primer: bool | None = None
 
     @property
     def is_rag(self) -> bool:
@@ -246,6 +249,8 @@ def _finish(p: ChunkedPrompt, rules: PromptRules) -> ChunkedPrompt:
     check_recompute(p.recompute, p.recompute_ratio, p.recompute_sink_tokens, allow_default=True)
     check_adaptive(p.recompute_score_mass, p.recompute_min_ratio, allow_default=True)
     check_damping(p.recompute_damping, allow_default=True)
+    if p.chunk_primer is not None and not isinstance(p.chunk_primer, bool):
+        raise ValueError(f"chunk_primer must be true, false or null, got {p.chunk_primer!r}")
     if not p.system and not p.chunks and not p.question:
         raise ValueError("prompt is empty (0 tokens)")
     if p.chunks and not p.question:

@@ -123,12 +123,14 @@ class _SentWork:
     prompt_len: int
     damped: tuple
     damping: float
+    primer: tuple[int, ...]
 
 
 def _sent(work) -> _SentWork:
     return _SentWork(SeqKV(row=work.kv.row), work.token_ids, work.positions, work.kv_spans,
                      work.sample, work.end, work.logits_from, work.turns, work.query_index,
-                     work.key_positions, work.prompt_len, work.damped, work.damping)
+                     work.key_positions, work.prompt_len, work.damped, work.damping,
+                     work.primer)
 
 
 class ShardedPool:

@@ -57,6 +57,9 @@ class Work(Protocol):
     # lowered by `damping` (stale chunk tokens); () for none.
     damped: tuple[tuple[int, int], ...]
     damping: float
+    # The chunk primer P's slots, which the KV list holds after its first range (S); ()
+    # for none (scheduler_output.SeqWork).
+    primer: tuple[int, ...]
 
 
 class Probe(Protocol):
@@ -159,7 +162,8 @@ class ModelRunner:
         # Damped logits run on a backend that applies them (`torch_backend`: the graphs' and
         # kernels' attention has no per-entry offset); the model's fused ops still write K/V.
         backend = self.torch_backend if damped else self.backend
-        if not damped:
+        # The graphs read KV lists from the slot table's rows, which hold no primer slots.
+        if not damped and not any(w.primer for w in works):
             if self.graphs is not None and self.graphs.can_run(works):
                 return self.graphs.run(works)
             if self.extend_graphs is not None and self.extend_graphs.can_run(works):
@@ -194,6 +198,9 @@ class ModelRunner:
             row = w.kv.row
             spans = w.kv_spans
             index = self.slot_table.entries(row, spans)
+            if w.primer:  # P's KV after S (a primed chunk's list, or P's own)
+                index = torch.cat([index[:spans[0][1] - spans[0][0]], self._primer_index(w),
+                                   index[spans[0][1] - spans[0][0]:]])
             q, k = len(w.token_ids), index.numel()
             at = w.query_index
             if at is not None and at[0] == k - q and at[-1] == k - 1:
@@ -217,7 +224,7 @@ class ModelRunner:
             kv_lens.append(k)
             seq_lens.append(max(w.positions) + 1)
             rows.append(row)
-            prefix.append(len(spans) == 1 and spans[0][0] == 0)
+            prefix.append(len(spans) == 1 and spans[0][0] == 0 and not w.primer)
             logits_of[i] = range(len(input_ids) - (w.end - w.logits_from), len(input_ids))
         logits_rows = ([r for i in range(len(works)) for r in logits_of[i]]
                        if self.model.samples else [])  # a TP worker: no LM head
@@ -245,6 +252,10 @@ class ModelRunner:
         return self.model(dev_ids[:n], dev_ids[n:2 * n], dev_ids[2 * n + len(extra):],
                           self.pool, metas, backend, key_positions=keys,
                           prompt_rows=prompt_rows)
+
+    def _primer_index(self, w: Work) -> torch.Tensor:
+        """The primer P's slots a work reads (a prefix of them while it computes P)."""
+        return torch.tensor(w.primer, dtype=self.slot_table.table.dtype, device=self.device)
 
     def _metadata(self, batch: AttentionBatch, works: Sequence[Work], kind: int,
                   positions: torch.Tensor, seq_lens: list[int],

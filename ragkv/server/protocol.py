@@ -91,6 +91,8 @@ class _SamplingFields(BaseModel):
     recompute_score_mass: float | None = Field(default=None, gt=0.0, le=1.0)
     recompute_min_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
     recompute_damping: float | None = Field(default=None, ge=0.0, le=MAX_DAMPING)
+    # Later documents computed after the server's chunk primer (None: the server's default).
+    chunk_primer: bool | None = None
     user: str | None = None
     # Structured outputs: OpenAI's response_format (json_object, json_schema) and vLLM's
     # guided_json, guided_choice and structured_outputs (json, json_object, choice). Regex and

@@ -1,0 +1,241 @@
+"""The chunk primer (`chunk_primer`): with sequential positions and isolated chunks, every
+chunk after the first has its KV computed after S and the primer P, and nothing after the
+chunks reads P.
+
+Exact against HF transformers in float32 (greedy tokens identical, log-probabilities within
+1e-4): the one-pass reference gives each later chunk a hidden copy of S, P and its own tokens
+as cached, placed so that the chunk's copy sits where the chunk lies (its keys turned there);
+recomputed tokens see everything before them; damping lowers the stale tokens' logits in the
+question's and generated tokens' rows. Cold, warm, reordered and batched, with a first chunk
+shorter than P (keys turned backwards), P computed in its own step under a small token
+budget, on two ranks, and `check_integrity()` after each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import MAIN_FAMILIES, random_prompt
+from reference import attention_masks, extend_layout, layout_reference
+from test_rag import GREEDY, TOL, make_llm
+
+from ragkv.inputs.layout import PromptLayout
+from ragkv.inputs.primer import DEFAULT_CHUNK_PRIMER, primer_tokens
+from ragkv.inputs.prompt import RAGPrompt
+
+PRIMER = "a short primer about rivers"
+
+
+def primed(system, chunks, question, sinks: int = 0, damping: float = 0.0,
+           **options) -> RAGPrompt:
+    if sinks:
+        options.update(recompute="sink", recompute_ratio=1.0, recompute_sink_tokens=sinks,
+                       recompute_damping=damping)
+    return RAGPrompt(system, chunks, question, position_strategy="sequential",
+                     chunk_attention="isolated", **options)
+
+
+def primed_reference(system, chunks, question, primer, recomputed: int = 0):
+    """Token ids, positions, visibility [T, T], hidden [T] and stale [T] (bool) of the one
+    pass, and the question's first index: each chunk after the first as cached after S + P,
+    its `recomputed` first tokens recomputed."""
+    s, p = len(system), len(primer)
+    ids, positions = list(system), list(range(s))
+    rows: list[list[int]] = [list(range(t + 1)) for t in range(s)]
+    hidden: set[int] = set()
+    stale: set[int] = set()
+    seen = list(range(s))
+    target = s
+    for c, chunk in enumerate(chunks):
+        n = len(chunk)
+        if c == 0:
+            start = len(ids)
+            ids += chunk
+            positions += range(target, target + n)
+            rows += [list(range(start + j + 1)) for j in range(n)]
+        else:
+            # The chunk as cached: S, P and the chunk, its copy where the chunk lies.
+            copy = len(ids)
+            ids += system + primer + chunk
+            positions += range(target - s - p, target + n)
+            rows += [list(range(copy, copy + j + 1)) for j in range(s + p + n)]
+            hidden.update(range(copy, copy + s + p + n))
+            old = copy + s + p
+            start = len(ids)
+            ids += chunk
+            positions += range(target, target + n)
+            for j in range(n):
+                if j < recomputed:
+                    rows.append(seen + list(range(start, start + j + 1)))
+                else:
+                    rows.append(list(range(copy, old + j)) + [start + j])
+                    stale.add(start + j)
+        seen = seen + list(range(start, start + n))
+        target += n
+    start = len(ids)
+    ids += question
+    positions += range(target, target + len(question))
+    rows += [seen + list(range(start, start + j + 1)) for j in range(len(question))]
+    visible = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+    for t, cols in enumerate(rows):
+        visible[t, cols] = True
+    flags = [torch.zeros(len(ids), dtype=torch.bool) for _ in range(2)]
+    flags[0][sorted(hidden)] = True
+    flags[1][sorted(stale)] = True
+    return ids, positions, visible, flags[0], flags[1], start
+
+
+@torch.inference_mode()
+def check(hf, prompt: RAGPrompt, out, primer: list[int] | None) -> None:
+    """`out` (greedy, logprobs) teacher-forced against its one pass: primed (`primer`) with
+    the prompt's sink recompute and damping, or the plain sequential layout (None)."""
+    system, chunks, question = prompt.system, prompt.chunks, prompt.question
+    got = out.outputs[0]
+    assert out.prompt_token_ids == system + [t for c in chunks for t in c] + question
+    if primer is None or not prompt.recompute_sink_tokens:
+        # Without recompute, the general layout reference (its copies of S + P) must agree.
+        ids, positions, visible, hidden = layout_reference(system, chunks, question,
+                                                           "sequential", "isolated",
+                                                           primer or ())
+        stale, q0 = torch.zeros(len(ids), dtype=torch.bool), len(ids)
+    else:
+        ids, positions, visible, hidden, stale, q0 = primed_reference(
+            system, chunks, question, primer, prompt.recompute_sink_tokens or 0)
+        q0 = len(ids) - len(question)
+    fed = got.token_ids[:-1]
+    positions, visible = extend_layout(positions, visible, len(fed), hidden)
+    masks = attention_masks(hf.config, positions, visible)
+    if prompt.recompute_damping:
+        stale = torch.cat([stale, torch.zeros(len(fed), dtype=torch.bool)])
+        offsets = torch.zeros(visible.shape)
+        offsets[q0:, stale] = -prompt.recompute_damping
+        masks = ({k: m + offsets for k, m in masks.items()} if isinstance(masks, dict)
+                 else masks + offsets)
+    logits = hf(input_ids=torch.tensor([ids + fed]), attention_mask=masks,
+                position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
+    logp = logits.float().log_softmax(-1)
+    assert logp.argmax(-1).tolist() == got.token_ids
+    for step, top in enumerate(got.logprobs):
+        for tid, lp in top.items():
+            assert abs(lp.logprob - logp[step, tid].item()) < TOL, (step, tid, lp.logprob)
+
+
+def parts():
+    S = random_prompt(9, seed=1)
+    A, B, C = (random_prompt(n, seed=40 + n) for n in (14, 21, 8))
+    return S, A, B, C, random_prompt(6, seed=2)
+
+
+def primer_of(llm) -> list[int]:
+    return list(llm.engine.inputs.primer)
+
+
+@pytest.mark.parametrize("family", MAIN_FAMILIES)
+def test_primed_chunks_match_the_one_pass_reference(family, checkpoint, hf_model):
+    """Cold, warm (every chunk and P from the cache), reordered (a chunk first that was
+    computed primed, a primed one that was first), then a batch of two prompts, one with sink
+    recompute and damping; P is computed once."""
+    path = checkpoint(family)
+    hf = hf_model(path)
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER)
+    P = primer_of(llm)
+    assert 0 < len(P) < 14
+    S, A, B, C, Q = parts()
+    for prompt in (primed(S, [A, B, C], Q), primed(S, [A, B, C], Q), primed(S, [C, A, B], Q)):
+        out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+        llm.check_integrity()
+        check(hf, prompt, out, P)
+    pair = [primed(S, [B, C, A], Q, sinks=3, damping=1.5), primed(S, [A, C], Q[:4])]
+    for prompt, out in zip(pair, llm.generate(pair, GREEDY, use_tqdm=False), strict=True):
+        check(hf, prompt, out, P)
+    llm.check_integrity()
+    cache = llm.engine.chunk_cache
+    primer_key = llm.engine.inputs.process(pair[0]).primer_key
+    assert cache.find(primer_key) is not None and len(primer_key.tokens) == len(P)
+
+
+def test_first_chunk_shorter_than_the_primer_and_a_small_budget(checkpoint, hf_model):
+    """The default passage (longer than the first chunk: later chunks' keys turn backwards),
+    P and the chunks computed over several steps of 32 tokens, and two cold prompts in one
+    step that both need P (one computes it, the other reads it in the same step)."""
+    path = checkpoint("llama")
+    hf = hf_model(path)
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=1024, chunk_primer="default",
+                   max_num_batched_tokens=96, max_num_seqs=4)
+    P = primer_of(llm)
+    assert list(primer_tokens(llm.engine.tokenizer, DEFAULT_CHUNK_PRIMER)) == P
+    S, A, B, C, Q = parts()
+    assert len(P) > len(A)
+    D, E = random_prompt(12, seed=77), random_prompt(30, seed=78)
+    pair = [primed(S, [A, D, E], Q), primed(S[:5], [C, B], Q)]
+    for prompt, out in zip(pair, llm.generate(pair, GREEDY, use_tqdm=False), strict=True):
+        check(hf, prompt, out, P)
+    llm.check_integrity()
+    small = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=1024,
+                     chunk_primer=PRIMER, max_num_batched_tokens=32)
+    prompt = primed(S, [A, E, D], Q)
+    out = small.generate([prompt], GREEDY, use_tqdm=False)[0]
+    check(hf, prompt, out, primer_of(small))
+    small.check_integrity()
+
+
+def test_per_request_switch_other_layouts_and_bad_values(checkpoint, hf_model):
+    """`chunk_primer=False` is the plain sequential layout; shared positions and standalone
+    chunks ignore the primer; the first chunk's cache entry is shared with unprimed prompts,
+    a later one's is not; bad settings are clear errors that lose nothing."""
+    path = checkpoint("llama")
+    hf = hf_model(path)
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER)
+    S, A, B, C, Q = parts()
+    off = primed(S, [A, B], Q, chunk_primer=False)
+    check(hf, off, llm.generate([off], GREEDY, use_tqdm=False)[0], None)
+    inputs = llm.engine.inputs
+    on, plain = inputs.process(primed(S, [A, B], Q)), inputs.process(off)
+    assert on.chunk_keys[0] == plain.chunk_keys[0] and on.chunk_keys[1] != plain.chunk_keys[1]
+    assert on.chunk_keys[1].system == tuple(S) + tuple(primer_of(llm))
+    assert on.layout.primer_len and not plain.layout.primer_len and plain.primer_key is None
+    for strategy, attention in (("shared", "isolated"), ("sequential", "standalone")):
+        done = inputs.process(RAGPrompt(S, [A, B], Q, position_strategy=strategy,
+                                        chunk_attention=attention))
+        assert done.layout.primer_len == 0 and done.primer_key is None
+    for bad in (1, "yes", 0.5):
+        with pytest.raises(ValueError, match="chunk_primer"):
+            llm.generate([primed(S, [A, B], Q, chunk_primer=bad)], GREEDY, use_tqdm=False)
+    llm.check_integrity()
+    plain_llm = make_llm(path, kv_cache_tokens=1024)
+    with pytest.raises(ValueError, match="chunk_primer=true needs"):
+        plain_llm.generate([primed(S, [A, B], Q, chunk_primer=True)], GREEDY, use_tqdm=False)
+    plain_llm.check_integrity()
+    for kwargs in ({"chunk_primer": "  "}, {"chunk_primer": 3},
+                   {"chunk_primer": "default", "enable_chunk_cache": False}):
+        with pytest.raises(ValueError, match="chunk_primer"):
+            make_llm(path, **kwargs)
+
+
+def test_layout_of_a_primed_prompt():
+    layout = PromptLayout.build(3, [4, 5, 2], "sequential", "isolated", primer_len=6)
+    assert layout.primer_len == 6 and [layout.chunk_base(i) for i in range(3)] == [3, 9, 9]
+    assert layout.chunk_deltas == (0, 7 - 9, 12 - 9) and layout.exact_end == 7
+    assert layout.positions(7, 12) == [9, 10, 11, 12, 13]
+    assert layout.chunk_positions([4, 8, 13]) == ([4, 10, 10], [4, 8, 13])
+    assert layout.chunk_kv_spans(1, 9) == ((0, 3), (7, 9))
+    assert PromptLayout.build(0, [4, 5], "sequential", "isolated", 6).chunk_kv_spans(1, 6) == (
+        (0, 0), (4, 6))
+    assert PromptLayout.build(3, [4], "sequential", "isolated", 6).primer_len == 0
+    assert PromptLayout.build(3, [4, 5], "shared", "isolated", 6).primer_len == 0
+
+
+def test_primed_chunks_on_two_ranks(checkpoint, hf_model):
+    """P's slots travel with the works to the worker rank: cold, warm and reordered primed
+    prompts on two ranks match the reference."""
+    from test_tensor_parallel import tp_llm
+
+    path = checkpoint("llama_gqa3")
+    hf = hf_model(path)
+    S, A, B, C, Q = parts()
+    with tp_llm(path, chunk_cache_tokens=512, chunk_primer=PRIMER) as llm:
+        for prompt in (primed(S, [A, B, C], Q), primed(S, [C, B], Q),
+                       primed(S, [B, A], Q, sinks=2, damping=1.0)):
+            check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0],
+                  primer_of(llm))
+        llm.check_integrity()
