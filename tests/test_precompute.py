@@ -93,6 +93,33 @@ def test_precompute_then_serve_every_chunk_hits(llama, tmp_path):
     llm.engine.close()
 
 
+def test_precompute_with_a_chunk_primer_stores_both_copies(llama, tmp_path):
+    """With a chunk primer each document is stored first and primed (and the primer once): a
+    primed engine on the store hits every document wherever it lies, with the one-pass
+    reference's tokens."""
+    path, hf = llama
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    store = f"disk:{tmp_path / 'store'}:1GiB"
+    done = precompute(path, corpus, store, "--chunk-primer", "river")
+    assert done.returncode == 0, done.stderr
+    assert summary_field(done.stdout, "computed") == 4
+    assert len(list((tmp_path / "store").iterdir())) == 2 * 4 + 1
+    llm = LLM(path, kv_cache_tokens=2048, chunk_store=store, position_strategy="sequential",
+              recompute="none", chunk_primer="river")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    docs = [TEXTS[3], TEXTS[0], TEXTS[2]]
+    prompt = llm.engine.process_chat(chat(docs, "What is w5?"), documents=docs)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert (out.metrics.num_chunk_hits, out.metrics.num_chunk_misses) == (3, 0)
+    ids, positions, visible, hidden = layout_reference(
+        prompt.system, prompt.chunks, prompt.question, "sequential", "isolated",
+        list(llm.engine.inputs.primer))
+    assert out.outputs[0].token_ids == reference_greedy(hf, ids, positions, visible, 4,
+                                                        hidden=hidden)[0]
+    llm.check_integrity()
+    llm.engine.close()
+
+
 def test_precompute_text_format_and_salt_match_separator_prompts(llama, tmp_path):
     path, _ = llama
     corpus = write_corpus(tmp_path / "corpus.jsonl", TEXTS[:2])

@@ -189,6 +189,9 @@ def test_per_request_switch_other_layouts_and_bad_values(checkpoint, hf_model):
     S, A, B, C, Q = parts()
     off = primed(S, [A, B], Q, chunk_primer=False)
     check(hf, off, llm.generate([off], GREEDY, use_tqdm=False)[0], None)
+    assert llm.engine.recompute_settings()["chunk_primer"] == PRIMER
+    assert "chunk primer" in make_llm(path, position_strategy="sequential", recompute="none",
+                                      chunk_primer=PRIMER).engine.describe_rag_default()
     inputs = llm.engine.inputs
     on, plain = inputs.process(primed(S, [A, B], Q)), inputs.process(off)
     assert on.chunk_keys[0] == plain.chunk_keys[0] and on.chunk_keys[1] != plain.chunk_keys[1]
@@ -239,3 +242,45 @@ def test_primed_chunks_on_two_ranks(checkpoint, hf_model):
             check(hf, prompt, llm.generate([prompt], GREEDY, use_tqdm=False)[0],
                   primer_of(llm))
         llm.check_integrity()
+
+
+def test_warm_prompts_leave_the_primer_alone_and_a_failed_step_fails_its_readers(checkpoint):
+    """A prompt whose later chunks are all cached (or being computed) never pins or computes
+    P; a request bound to reuse chunks a failing step was computing is failed with it, never
+    left reading KV that was not written; prompts the primer cannot serve are clear errors."""
+    path = checkpoint("llama")
+    llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER,
+                   max_model_len=64)
+    S, A, B, C, Q = parts()
+    engine = llm.engine
+    llm.generate([primed(S, [A, B], Q)], GREEDY, use_tqdm=False)
+    key = engine.inputs.process(primed(S, [A, B], Q)).primer_key
+    entry = engine.chunk_cache.find(key)
+    engine.add_request(primed(S, [C, B], Q), GREEDY, request_id="warm")
+    engine.step()
+    assert entry.ref_count == 0 and engine.chunk_cache.find(key) is entry
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm.check_integrity()
+    # A cold prompt with a new S computes its P; a second one in the same step reuses the
+    # chunks the first computes, so it needs no P.
+    sched = engine.scheduler
+    S2 = random_prompt(7, seed=5)
+    for rid in ("a", "b"):
+        engine.add_request(primed(S2, [A, C], Q), GREEDY, request_id=rid)
+    out = sched.schedule()
+    assert [w.request.request_id for w in out.works if w.computes_primer] == ["a"]
+    b = sched.running[1]
+    assert b.bindings[-1] is None and all(x.entry in out.completing for x in b.bindings[:2])
+    out.discard(b)  # as if "b" had stopped, bound, before any work of its own
+    assert sorted(r.request_id for r in sched.fail_step(out, "boom")) == ["a", "b"]
+    llm.check_integrity()
+    assert engine.chunk_cache.find(engine.inputs.process(primed(S2, [A, C], Q)).primer_key
+                                   ) is None
+    with pytest.raises(ValueError, match="chunk_primer=true applies to sequential"):
+        llm.generate([RAGPrompt(S, [A, B], Q, chunk_primer=True, position_strategy="shared")],
+                     GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="past max_model_len=64"):
+        llm.generate([primed(S, [random_prompt(2, seed=9), random_prompt(46, seed=8)],
+                             Q[:2])], GREEDY, use_tqdm=False)
+    llm.check_integrity()

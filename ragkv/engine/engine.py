@@ -182,7 +182,7 @@ class Engine:
                 "recompute_ratio": c.recompute_ratio,
                 "recompute_min_ratio": c.recompute_min_ratio,
                 "recompute_score_mass": c.recompute_score_mass,
-                "recompute_damping": c.recompute_damping,
+                "recompute_damping": c.recompute_damping, "chunk_primer": c.chunk_primer,
                 "recompute_check_layers": None if layers is None else list(layers),
                 "source": self.recompute_source,
                 "profile": None if profile is None else profile.path}

@@ -215,8 +215,20 @@ class InputProcessor:
         if parsed.chunk_primer and not primed:
             raise ValueError("chunk_primer=true needs an engine with a chunk primer "
                              "(chunk_primer / --chunk-primer)")
+        if parsed.chunk_primer and (strategy, attention) != ("sequential", "isolated"):
+            raise ValueError(f"chunk_primer=true applies to sequential positions with isolated "
+                             f"chunks, not position_strategy={strategy!r} with "
+                             f"chunk_attention={attention!r}")
         layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
                                     strategy, attention, len(primed))
+        if layout.primer_len:
+            # A later chunk's KV sits after S + P: its positions must exist for the model.
+            top = max(layout.chunk_base(i) + len(c) for i, c in enumerate(parsed.chunks))
+            if top > self.max_model_len:
+                raise ValueError(
+                    f"with the chunk primer ({layout.primer_len} tokens) a document's KV is "
+                    f"computed at positions up to {top - 1}, past max_model_len="
+                    f"{self.max_model_len}: send this prompt with chunk_primer=false")
         keys, primer_key = (), None
         if self.chunk_keys is not None and parsed.chunks:
             primer = primed if layout.primer_len else ()

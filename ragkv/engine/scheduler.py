@@ -221,7 +221,9 @@ class Scheduler:
                     damped = req.stale if after else ()
                 else:
                     primer = ()
-                    if layout.primer_len:
+                    if chunk == 0 and layout.primer_len and self._primer_needed(req):
+                        # P first, before any chunk of the request claims room in the
+                        # chunk region (it could leave none for P).
                         primer, n = self._primer(req, out, budget - used)
                         used += n
                         if primer is None:  # P does not fit what is left of the budget
@@ -233,6 +235,11 @@ class Scheduler:
                     if not binding.computing:
                         x = end  # reused: its KV is ready (or completes earlier this step)
                         continue
+                    if layout.primed(chunk):
+                        primer, n = self._primer(req, out, budget - used)
+                        used += n
+                        if primer is None:
+                            break
                     n = min(end - x, budget - used)
                     if n == 0:
                         break
@@ -294,13 +301,19 @@ class Scheduler:
         req.bindings[i] = ChunkBinding(None, computing=True)
         return req.bindings[i]
 
+    def _primer_needed(self, req: Request) -> bool:
+        """Whether a chunk after the first is missing from the chunk cache (it will be
+        computed, after P). A warm request never touches P."""
+        find = self.chunk_cache.find
+        return any(find(key) is None for key in req.chunk_keys[1:])
+
     def _primer(self, req: Request, out: SchedulerOutput, room: int
                 ) -> tuple[tuple[int, ...] | None, int]:
         """The slots of the primer P's KV, which `req`'s primed chunks read, and the budget
-        used. P is bound when planning first reaches the chunks, before any chunk claims room
-        in the chunk region: reused when the cache has it, else computed at once, whole, by
-        a work of its own (None, and nothing planned, while it does not fit `room`). So a
-        request never holds P's entry unfinished across a step another one waits on."""
+        used. P is bound once, like a chunk: reused when the cache has it, else computed at
+        once, whole, by a work of its own (None, and nothing planned, while it does not fit
+        `room`). So a request never holds P's entry unfinished across a step another one
+        waits on."""
         at = len(req.layout.chunk_bounds)
         binding = req.bindings[at]
         if binding is None:
@@ -394,14 +407,22 @@ class Scheduler:
             out.failed.append(req)
 
     def fail_step(self, out: SchedulerOutput, message: str) -> list[Request]:
-        """The model could not run this step: finish every request with work in it, or
-        waiting for its recomputed tokens to be chosen after it (it may reuse a chunk the
-        step was completing), with FINISHED_ERROR. Their slots come back; chunk entries they
-        were computing are dropped; nothing else changes. Returns the failed requests."""
+        """The model could not run this step: finish every request with work in it, waiting
+        for its recomputed tokens to be chosen after it, or bound to reuse a chunk the step
+        was completing, with FINISHED_ERROR. Their slots come back; chunk entries they were
+        computing are dropped; nothing else changes. Returns the failed requests."""
         failed = out.requests()
         for probe in out.probes:  # a request may have several probes (query+blend): once
             if probe.request not in failed and not probe.request.status.finished:
                 failed.append(probe.request)
+        # A request bound to reuse an entry this step was completing (its plan stopped
+        # before any work of its own) would read KV that was never written.
+        completing = {id(e) for e in out.completing}
+        for req in self.running + list(self.waiting):
+            if req not in failed and any(b is not None and b.entry is not None
+                                         and not b.computing and id(b.entry) in completing
+                                         for b in req.bindings):
+                failed.append(req)
         for req in failed:
             req.error = message
             self.finish(req, RequestStatus.FINISHED_ERROR)

@@ -14,7 +14,8 @@ from .request import Request
 class SeqWork:
     """One sequence's share of a step, in the attention contract's terms: flat tokens
     [start, end) of `request` are computed now; the KV list is the concatenation of the
-    `kv_spans` ranges of `request.kv.slots`, the last ending at `end`."""
+    `kv_spans` ranges of `request.kv.slots`, the last ending at `end` (and the chunk primer's
+    slots after the first range, for a primed chunk: `primer`)."""
 
     request: Request
     start: int
@@ -41,7 +42,7 @@ class SeqWork:
     # A primed chunk's (inputs/layout.py): the slots of the chunk primer P's KV, which the KV
     # list holds after its first range (S). A work that computes P itself
     # (`computes_primer`: its tokens are P's, in no flat range, start == end) has the one
-    # range S and writes the last of these slots.
+    # range S and writes all of these slots (P is computed whole).
     primer: tuple[int, ...] = ()
     computes_primer: bool = False
 
@@ -62,7 +63,7 @@ class SeqWork:
     def write_slots(self) -> list[int]:
         """The slots the work's new K/V go to."""
         if self.computes_primer:
-            return list(self.primer[len(self.primer) - len(self.token_ids):])
+            return list(self.primer)
         slots = self.request.kv.slots
         if self.query_index is not None:
             return [slots[x] for x in self.query_index]

@@ -9,6 +9,10 @@ split_chat_prompt); `text` format is the separator / RAGPrompt form (S, then the
 tokens). A chunk's store key depends on the model, dtype, S, the chunk, the chunk attention
 and the cache salt, so precompute must be given the same ones as the servers. Runs are
 resumable: a document whose chunk key is in a shared tier is skipped.
+
+With a chunk primer (`--chunk-primer`, isolated chunks), a document read after the first of
+a prompt has other KV (computed after S and the primer): each document is then the request's
+chunk twice, first as the first document, then primed (the primer's own KV is stored too).
 """
 
 from __future__ import annotations
@@ -162,17 +166,31 @@ def precompute(llm, documents: list[Document], system: str, prompt_format: str =
 
 
 def _prompt(engine, doc: Document, system: str, prompt_format: str, cache_salt: str | None):
-    """The prompt a served request with this system part and document would have, parsed."""
+    """The prompt a served request with this system part and document would have, parsed;
+    with a chunk primer, the document twice: first, then primed (once when twice is too long
+    for max_model_len: the primed copy is then computed by the first request that reads it)."""
+    if engine.inputs.primer and engine.config.chunk_attention == "isolated":
+        try:
+            return _parsed(engine, doc, system, prompt_format, cache_salt, copies=2)
+        except ValueError:
+            pass
+    return _parsed(engine, doc, system, prompt_format, cache_salt, copies=1)
+
+
+def _parsed(engine, doc: Document, system: str, prompt_format: str, cache_salt: str | None,
+            copies: int):
+    # Sequential positions for a primed copy; entries do not depend on the positions.
+    layout = {"recompute": "none", "position_strategy": "sequential" if copies > 1 else None}
     if prompt_format == "chat":
         messages = [{"role": "user", "content": _QUESTION}]
         if system:
             messages.insert(0, {"role": "system", "content": system})
-        return engine.process_chat(messages, documents=[doc.text], cache_salt=cache_salt,
-                                   recompute="none")
+        return engine.process_chat(messages, documents=[doc.text] * copies,
+                                   cache_salt=cache_salt, **layout)
     from ..inputs.prompt import RAGPrompt
 
     # Only the documents' cache entries matter: no recompute (entries do not depend on it).
     # The parts trimmed as a separated prompt's are (split_at_separator), so `S ## doc ## Q`
     # and `S##doc##Q` both hit.
-    return engine.process_prompt(RAGPrompt(system.rstrip(), [doc.text.strip()], _QUESTION,
-                                           cache_salt=cache_salt, recompute="none"))
+    return engine.process_prompt(RAGPrompt(system.rstrip(), [doc.text.strip()] * copies,
+                                           _QUESTION, cache_salt=cache_salt, **layout))

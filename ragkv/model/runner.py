@@ -36,8 +36,8 @@ MAX_GRAPH_BATCH = 256
 
 class Work(Protocol):
     """A sequence's share of a step (the scheduler's `SeqWork`): the KV list is the
-    concatenation of the `kv_spans` ranges of `kv.slots`; its last len(token_ids) entries are
-    the slots the new tokens are written to."""
+    concatenation of the `kv_spans` ranges of `kv.slots` (with `primer` after the first);
+    its last len(token_ids) entries are the slots the new tokens are written to."""
 
     kv: SeqKV
     token_ids: list[int]
@@ -254,7 +254,7 @@ class ModelRunner:
                           prompt_rows=prompt_rows)
 
     def _primer_index(self, w: Work) -> torch.Tensor:
-        """The primer P's slots a work reads (a prefix of them while it computes P)."""
+        """The primer P's slots a work reads (and writes, when it computes P)."""
         return torch.tensor(w.primer, dtype=self.slot_table.table.dtype, device=self.device)
 
     def _metadata(self, batch: AttentionBatch, works: Sequence[Work], kind: int,

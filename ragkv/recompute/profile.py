@@ -77,6 +77,8 @@ def describe_default(s: dict) -> str:
     """One line: the default layout of a RAG prompt, its recompute and where that came from
     (`Engine.recompute_settings()`)."""
     text = f"positions {s['position_strategy']}, chunk attention {s['chunk_attention']}"
+    if s.get("chunk_primer") and s["position_strategy"] == "sequential":
+        text += ", later documents after the chunk primer"
     if s["recompute"] == "none":
         return text + ", no recompute (exact chunk reuse)"
     where = {"profile": f"calibrated profile {s['profile'] or ''}",
