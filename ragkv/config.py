@@ -178,8 +178,9 @@ class EngineConfig:
     # Chunk primer (inputs/primer.py): with sequential positions and isolated chunks, every
     # document but the first has its KV computed after S and this fixed passage P instead of
     # after S alone, as a document that follows another one; nothing after the documents
-    # reads P. None: off; "default": the built-in passage; else the passage's text. A request
-    # may turn it off (or on) with `chunk_primer`. Needs the chunk cache, which holds P's KV.
+    # reads P. "default": the built-in passage; "none": off; else the passage's text; None:
+    # the calibrated profile's (recompute/profile.py), else off. A request may turn it off
+    # (or on) with `chunk_primer`. Needs the chunk cache, which holds P's KV.
     chunk_primer: str | None = None
     # Where the calibrated recompute profile comes from: "auto" (the model's, from the ragkv
     # cache directory or the package), a path, or None (no profile).
@@ -249,7 +250,7 @@ class EngineConfig:
         check_adaptive(self.recompute_score_mass, self.recompute_min_ratio, allow_default=True)
         check_damping(self.recompute_damping, allow_default=True)
         check_chunk_primer(self.chunk_primer)
-        if self.chunk_primer is not None and not self.enable_chunk_cache:
+        if self.chunk_primer not in (None, "none") and not self.enable_chunk_cache:
             raise ValueError("chunk_primer's KV is kept in the chunk cache: it needs "
                              "enable_chunk_cache=True")
         if self.recompute_profile is not None and not isinstance(self.recompute_profile, str):
@@ -340,10 +341,11 @@ MAX_DAMPING = 20.0
 
 
 def check_chunk_primer(value: object) -> None:
-    """`chunk_primer`: None (no primer), "default" (the built-in passage) or the text."""
+    """`chunk_primer`: None (unset), "none" (off), "default" (the built-in passage) or the
+    text."""
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ValueError(f"chunk_primer must be None, 'default' or a non-empty text, got "
-                         f"{value!r}")
+        raise ValueError(f"chunk_primer must be 'default', 'none', a non-empty text or None, "
+                         f"got {value!r}")
 
 
 def check_damping(damping: object, allow_default: bool = False) -> None:

@@ -264,3 +264,38 @@ def test_demo_runs_the_quality_mode_with_the_profile(calibrated, tmp_path):
         assert expect in r.stdout
         assert "default mode: 4/4 answers identical token for token" in r.stdout
         assert "exact chunk reuse: 4/4 answers identical token for token" in r.stdout
+
+
+def test_a_profile_with_a_chunk_primer(calibrated, monkeypatch, tmp_path):
+    """`ragkv calibrate` with `+primer` candidates: a chosen primed point writes the engine's
+    primer into the profile; an engine of the model then primes its later documents unless
+    the user says `chunk_primer="none"` (or runs without a chunk cache); `calibrated` in
+    `ragkv eval` runs the profile's primer."""
+    from ragkv.eval.evaluate import evaluate, pick_items, summarize
+    from ragkv.eval.suite import build_suite
+
+    profiles = tmp_path / "profiles"
+    r = subprocess.run(
+        [sys.executable, "-m", "ragkv", "calibrate", "--model", MODEL, "--device", "cpu",
+         "--questions", "5", "--candidates", "query@0.3+primer", "--max-tokens", "3",
+         "--no-progress"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "RAGKV_PROFILE_DIR": str(profiles)})
+    assert r.returncode == 0, r.stderr
+    data = json.loads(next(profiles.iterdir()).read_text())
+    assert data["chosen"] == "query@0.3+primer"
+    assert data["settings"]["chunk_primer"] == "default"
+    assert mode_settings("query@0.2+primer", 2, None, "text")["chunk_primer"] == "text"
+    monkeypatch.setenv("RAGKV_PROFILE_DIR", str(profiles))
+    llm = LLM(MODEL, device="cpu")
+    assert llm.engine.config.chunk_primer == "default"
+    assert "after the chunk primer" in llm.engine.describe_rag_default()
+    prompt = RAGPrompt("system here", ["a first document", "a second one"], "a question?")
+    assert llm.engine.inputs.process(prompt).layout.primer_len > 0
+    for kwargs in ({"chunk_primer": "none"}, {"enable_chunk_cache": False}):
+        off = LLM(MODEL, device="cpu", **kwargs).engine
+        assert off.inputs.process(prompt).layout.primer_len == 0, kwargs
+    items = pick_items(build_suite(2, seed=4), 3)
+    summary = summarize(evaluate(llm, items, ["calibrated", "sequential"], max_tokens=2,
+                                 progress=False))
+    assert summary["calibrated"]["overall"]["recomputed_mean"] > 0
+    llm.check_integrity()

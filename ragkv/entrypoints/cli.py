@@ -160,9 +160,8 @@ def add_engine_args(parser: argparse.ArgumentParser,
                         help="the question's and answer's attention logit offset on stale "
                              "chunk tokens (unset: the profile's, else 0)")
     parser.add_argument("--chunk-primer", default=None,
-                        help="compute every document after the first after S and this "
-                             "passage (sequential positions, isolated chunks): 'default' "
-                             "for the built-in one, or the text (unset: none)")
+                        help="documents after the first computed after S and this passage: "
+                             "default (the built-in one), none, or the text (unset: profile's)")
     parser.add_argument("--recompute-profile", default="auto",
                         help="calibrated recompute settings (ragkv calibrate): auto (the "
                              "model's, from the cache or the package), a file, or none")
@@ -337,12 +336,14 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from ..eval.calibrate import calibrate, format_curve
+    from ..eval.modes import engine_primer
     from ..llm import LLM
     from ..recompute.profile import profile_dir, profile_name, write_profile
 
     candidates = [m.strip() for m in args.candidates.split(",") if m.strip()] or None
     # The candidates carry their own settings; no profile may shape the measurement.
-    kwargs = {**engine_kwargs(args), "recompute_profile": None}
+    kwargs = {**engine_kwargs(args), "recompute_profile": None,
+              "chunk_primer": engine_primer(candidates or (), args.chunk_primer)}
     llm = LLM(args.model, **kwargs)
     profile = calibrate(llm, args.model, target=args.target, quick=args.quick,
                         candidates=candidates, num_questions=args.questions,
@@ -504,8 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--questions", type=int, default=None,
                      help="calibration questions (default: 60 with --quick, else 250)")
     cal.add_argument("--candidates", default="",
-                     help="comma-separated recompute modes to try (METHOD@RATIO or "
-                          "METHOD@LOW:HIGH:MASS; default: the built-in sweep)")
+                     help="comma-separated recompute modes to try (METHOD@RATIO or METHOD@"
+                          "LOW:HIGH:MASS, +primer: primed; default: the built-in sweep)")
     cal.add_argument("--suite-seed", type=int, default=1009,
                      help="seed of the calibration split (ragkv eval reports seed 0)")
     cal.add_argument("--max-tokens", type=int, default=32, help="answer length limit")

@@ -30,7 +30,7 @@ from ..recompute.policy import check_layers_for, configured_layers
 from ..recompute.profile import FORMAT, VERSION
 from ..recompute.selection import probe_plan
 from .evaluate import EvalResult, evaluate, pick_items, summarize
-from .modes import REFERENCE, get_mode, recompute_mode_settings
+from .modes import PRIMED, REFERENCE, get_mode, recompute_mode_settings
 from .suite import TASKS, build_suite
 
 # The calibration split: a suite seed `ragkv eval` does not use by default (eval's is 0).
@@ -79,11 +79,15 @@ def within_noise(reference_only: int, mode_only: int) -> bool:
     return reference_only - mode_only <= 1.96 * math.sqrt(reference_only + mode_only)
 
 
-def mode_settings(name: str, num_layers: int, layers: tuple[int, ...] | None
-                  ) -> dict:
+def mode_settings(name: str, num_layers: int, layers: tuple[int, ...] | None,
+                  primer: str | None = None) -> dict:
     """The engine settings (EngineConfig fields) of the recompute mode `name`, with the check
-    layers its scorer probes on this model."""
-    settings = recompute_mode_settings(name)
+    layers its scorer probes on this model, and `primer` (the engine's chunk primer) for a
+    `+primer` mode."""
+    primed = name.endswith(PRIMED)
+    settings = recompute_mode_settings(name.removesuffix(PRIMED))
+    if primed:
+        settings["chunk_primer"] = primer
     method = settings["recompute"]
     if method != "sink":
         settings["recompute_check_layers"] = list(check_layers_for(method, layers,
@@ -92,11 +96,11 @@ def mode_settings(name: str, num_layers: int, layers: tuple[int, ...] | None
 
 
 def curve(results: list[EvalResult], candidates: Sequence[str], num_layers: int,
-          candidate_layers: dict[str, tuple[int, ...] | None], target: float
-          ) -> list[CurvePoint]:
+          candidate_layers: dict[str, tuple[int, ...] | None], target: float,
+          primer: str | None = None) -> list[CurvePoint]:
     """Each candidate's point from the eval results (which hold `full` and `sequential`);
     `candidate_layers`: each candidate's configured check layers (None: its scorer's
-    default)."""
+    default); `primer`: the engine's chunk primer, which `+primer` candidates ran with."""
     summary = summarize(results)
     full = summary[REFERENCE]["overall"]["gold_logprob"]
     sequential = summary["sequential"]["overall"]["gold_logprob"]
@@ -105,7 +109,7 @@ def curve(results: list[EvalResult], candidates: Sequence[str], num_layers: int,
     for name in candidates:
         data = summary[name]
         g, agree = data["overall"], data["agreement"]
-        settings = mode_settings(name, num_layers, candidate_layers[name])
+        settings = mode_settings(name, num_layers, candidate_layers[name], primer)
         closed = (g["gold_logprob"] - sequential) / gap if gap > 0 else 1.0
         probe = 0.0
         for kind, layers in probe_plan(settings["recompute"],
@@ -151,21 +155,25 @@ def calibrate(llm: LLM, model_name: str, target: float = DEFAULT_TARGET, quick: 
     for name in candidates:
         if "@" not in name:
             raise ValueError(f"calibration candidate {name!r} is not a recompute mode "
-                             "(METHOD@RATIO or METHOD@LOW:HIGH:MASS)")
+                             "(METHOD@RATIO or METHOD@LOW:HIGH:MASS, +primer after either)")
         get_mode(name)  # a clear error before anything runs
+    primer = llm.engine.config.chunk_primer
+    if primer in (None, "none") and any(n.endswith(PRIMED) for n in candidates):
+        raise ValueError("+primer candidates need an engine with a chunk primer "
+                         "(--chunk-primer)")
     n = num_questions or (QUICK_QUESTIONS if quick else QUESTIONS)
     per_task = math.ceil(n / len(TASKS))
     items = pick_items(build_suite(per_task, seed=suite_seed), n)
     engine = llm.engine
     num_layers = engine.model_config.num_layers
     # The check layers each candidate probes, as the engine applies them.
-    configured = {name: configured_layers(engine.config, recompute_mode_settings(name)["recompute"],
-                                          engine.inputs.layers_for_all)
-                  for name in candidates}
+    configured = {name: configured_layers(
+        engine.config, recompute_mode_settings(name.removesuffix(PRIMED))["recompute"],
+        engine.inputs.layers_for_all) for name in candidates}
     start = time.monotonic()
     results = evaluate(llm, items, ["sequential", *candidates], max_tokens=max_tokens,
                        progress=progress, batch_size=batch_size)
-    points = curve(results, candidates, num_layers, configured, target)
+    points = curve(results, candidates, num_layers, configured, target, primer)
     chosen = choose(points)
     summary = summarize(results)
     return {

@@ -49,7 +49,7 @@ def primed_mode(base: EvalMode) -> EvalMode:
 
 def engine_primer(names: Sequence[str], given: str | None) -> str | None:
     """The engine's chunk primer for these modes: `given`, else the built-in one when a mode
-    asks for it."""
+    asks for it (else None: the profile's, if any)."""
     if given is None and any(n.endswith(PRIMED) for n in names):
         return "default"
     return given
@@ -66,11 +66,13 @@ def _layout(position_strategy: str, chunk_attention: str, **recompute: object
     # Nor the engine's chunk primer: `+primer` modes ask for it.
     recompute.setdefault("recompute", "none")
 
+    recompute.setdefault("chunk_primer", False)
+
     def build(p: ChunkedPrompt, tail: list[int]) -> object:
         return RAGPrompt(system=list(p.system), chunks=[list(c) for c in p.chunks],
                          question=list(p.question) + tail, cache_salt=p.cache_salt,
                          position_strategy=position_strategy, chunk_attention=chunk_attention,
-                         chunk_primer=False, **recompute)
+                         **recompute)
 
     return build
 
@@ -154,7 +156,10 @@ def calibrated_mode(engine) -> EvalMode:
         raise ValueError(f"eval mode {CALIBRATED!r}: the profile checks layers "
                          f"{','.join(map(str, own))}; run with --recompute-check-layers "
                          f"{','.join(map(str, own))}")
-    options = {k: v for k, v in s.items() if k != "recompute_check_layers"}
+    options = {k: v for k, v in s.items() if k not in ("recompute_check_layers",
+                                                         "chunk_primer")}
+    # The engine runs the profile's primer (it found the same profile); requests turn it on.
+    options["chunk_primer"] = s.get("chunk_primer") not in (None, "none")
     return EvalMode(CALIBRATED, f"sequential-isolated reuse with the calibrated profile: "
                                 f"{profile.describe()}",
                     _layout("sequential", "isolated", **options), primable=True)

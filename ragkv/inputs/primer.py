@@ -19,6 +19,9 @@ DEFAULT_CHUNK_PRIMER = (
 
 
 def primer_text(value: str | None) -> str | None:
+    """The passage of a `chunk_primer` setting (None: none)."""
+    if value in (None, "none"):
+        return None
     return DEFAULT_CHUNK_PRIMER if value == "default" else value
 
 

@@ -23,7 +23,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import EngineConfig, check_adaptive, check_damping, check_recompute
+from ..config import (
+    EngineConfig,
+    check_adaptive,
+    check_chunk_primer,
+    check_damping,
+    check_recompute,
+)
 from ..model.file_digest import cache_root
 
 logger = logging.getLogger("ragkv")
@@ -43,7 +49,8 @@ DEFAULTS = {"recompute": "none", "recompute_ratio": 0.15, "recompute_min_ratio":
 MODEL_AGNOSTIC = {"recompute": "query", "recompute_ratio": 0.5, "recompute_min_ratio": 0.1,
                   "recompute_score_mass": 0.9}
 SETTINGS = ("recompute", "recompute_ratio", "recompute_min_ratio", "recompute_score_mass",
-            "recompute_sink_tokens", "recompute_check_layers", "recompute_damping")
+            "recompute_sink_tokens", "recompute_check_layers", "recompute_damping",
+            "chunk_primer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +77,18 @@ def describe_settings(s: dict) -> str:
     layers = s.get("recompute_check_layers")
     return (f"{s['recompute']}, {budget}"
             + (f", check layers {','.join(map(str, layers))}" if layers else "")
-            + (f", damping {s['recompute_damping']:g}" if s.get("recompute_damping") else ""))
+            + (f", damping {s['recompute_damping']:g}" if s.get("recompute_damping") else "")
+            + (", later documents after the chunk primer"
+               if s.get("chunk_primer") not in (None, "none") else ""))
 
 
 def describe_default(s: dict) -> str:
     """One line: the default layout of a RAG prompt, its recompute and where that came from
     (`Engine.recompute_settings()`)."""
     text = f"positions {s['position_strategy']}, chunk attention {s['chunk_attention']}"
-    if s.get("chunk_primer") and s["position_strategy"] == "sequential":
-        text += ", later documents after the chunk primer"
     if s["recompute"] == "none":
+        if s.get("chunk_primer") not in (None, "none") and s["position_strategy"] == "sequential":
+            text += ", later documents after the chunk primer"
         return text + ", no recompute (exact chunk reuse)"
     where = {"profile": f"calibrated profile {s['profile'] or ''}",
              "model-agnostic": "no calibrated profile for this model: the model-agnostic "
@@ -131,6 +140,7 @@ def parse_profile(data: object, path: str, fingerprint: str | None) -> Recompute
         check_adaptive(settings.get("recompute_score_mass"),
                        settings.get("recompute_min_ratio", 0.0))
         check_damping(settings.get("recompute_damping", 0.0))
+        check_chunk_primer(settings.get("chunk_primer"))
     except ValueError as e:
         raise bad(str(e)) from None
     return RecomputeProfile(path, owner, settings, bool(data.get("meets_target")), data)
@@ -201,6 +211,8 @@ def resolve_recompute(config: EngineConfig, fingerprint: str, dynamic_rope: bool
         profile = find_profile(config.recompute_profile, fingerprint)
         given = dict(profile.settings if profile is not None else MODEL_AGNOSTIC)
         source = "profile" if profile is not None else "model-agnostic"
+        if not config.enable_chunk_cache:  # a primer's KV lives in the chunk cache
+            given.pop("chunk_primer", None)
         if config.recompute_ratio is not None and config.recompute_score_mass is None:
             # A ratio of the user's own without a score mass is a fixed budget of that ratio.
             given.pop("recompute_score_mass", None)
