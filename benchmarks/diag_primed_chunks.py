@@ -18,6 +18,11 @@ with an explicit mask, the way the exactness tests build their references:
 - `@R` (e.g. `primed@0.2`): the layout with R of the chunk tokens recomputed, chosen as
   `query` chooses them (the question's attention, summed over layers 4, 8 and 12, on the
   tokens after the first document): a recomputed token sees everything before it.
+  NOT the engine's selective recompute: in this one pass a later document's other tokens
+  read its recomputed tokens as recomputed (their KV changes with them), where the engine's
+  keep the cached KV computed without them. `@R` here overstates what the engine's
+  `query@R` keeps (docs/fidelity.md, "Primed chunks in the engine"); without `@R` the layouts
+  are the engine's exactly.
 Answers are greedy (32 tokens, as `ragkv eval` generates), graded as `ragkv eval` grades them.
 
     python benchmarks/diag_primed_chunks.py --per-task 16 --modes full,sequential,primed,primed@0.2

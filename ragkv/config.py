@@ -180,7 +180,8 @@ class EngineConfig:
     # after S alone, as a document that follows another one; nothing after the documents
     # reads P. "default": the built-in passage; "none": off; else the passage's text; None:
     # the calibrated profile's (recompute/profile.py), else off. A request may turn it off
-    # (or on) with `chunk_primer`. Needs the chunk cache, which holds P's KV.
+    # (or on) with `chunk_primer`. P's KV is one chunk-cache entry per system prompt (each
+    # request's own without a chunk cache).
     chunk_primer: str | None = None
     # Where the calibrated recompute profile comes from: "auto" (the model's, from the ragkv
     # cache directory or the package), a path, or None (no profile).
@@ -250,9 +251,6 @@ class EngineConfig:
         check_adaptive(self.recompute_score_mass, self.recompute_min_ratio, allow_default=True)
         check_damping(self.recompute_damping, allow_default=True)
         check_chunk_primer(self.chunk_primer)
-        if self.chunk_primer not in (None, "none") and not self.enable_chunk_cache:
-            raise ValueError("chunk_primer's KV is kept in the chunk cache: it needs "
-                             "enable_chunk_cache=True")
         if self.recompute_profile is not None and not isinstance(self.recompute_profile, str):
             raise ValueError(f"recompute_profile must be 'auto', a path or None, got "
                              f"{self.recompute_profile!r}")

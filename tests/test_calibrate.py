@@ -268,8 +268,8 @@ def test_demo_runs_the_quality_mode_with_the_profile(calibrated, tmp_path):
 
 def test_a_profile_with_a_chunk_primer(calibrated, monkeypatch, tmp_path):
     """`ragkv calibrate` with `+primer` candidates: a chosen primed point writes the engine's
-    primer into the profile; an engine of the model then primes its later documents unless
-    the user says `chunk_primer="none"` (or runs without a chunk cache); `calibrated` in
+    primer into the profile; an engine of the model then primes its later documents (with or
+    without a chunk cache) unless the user says `chunk_primer="none"`; `calibrated` in
     `ragkv eval` runs the profile's primer."""
     from ragkv.eval.evaluate import evaluate, pick_items, summarize
     from ragkv.eval.suite import build_suite
@@ -291,9 +291,10 @@ def test_a_profile_with_a_chunk_primer(calibrated, monkeypatch, tmp_path):
     assert "after the chunk primer" in llm.engine.describe_rag_default()
     prompt = RAGPrompt("system here", ["a first document", "a second one"], "a question?")
     assert llm.engine.inputs.process(prompt).layout.primer_len > 0
-    for kwargs in ({"chunk_primer": "none"}, {"enable_chunk_cache": False}):
-        off = LLM(MODEL, device="cpu", **kwargs).engine
-        assert off.inputs.process(prompt).layout.primer_len == 0, kwargs
+    off = LLM(MODEL, device="cpu", chunk_primer="none").engine
+    assert off.inputs.process(prompt).layout.primer_len == 0
+    uncached = LLM(MODEL, device="cpu", enable_chunk_cache=False).engine
+    assert uncached.inputs.process(prompt).layout.primer_len > 0
     items = pick_items(build_suite(2, seed=4), 3)
     summary = summarize(evaluate(llm, items, ["calibrated", "sequential"], max_tokens=2,
                                  progress=False))

@@ -209,10 +209,26 @@ def test_per_request_switch_other_layouts_and_bad_values(checkpoint, hf_model):
     with pytest.raises(ValueError, match="chunk_primer=true needs"):
         plain_llm.generate([primed(S, [A, B], Q, chunk_primer=True)], GREEDY, use_tqdm=False)
     plain_llm.check_integrity()
-    for kwargs in ({"chunk_primer": "  "}, {"chunk_primer": 3},
-                   {"chunk_primer": "default", "enable_chunk_cache": False}):
+    for kwargs in ({"chunk_primer": "  "}, {"chunk_primer": 3}):
         with pytest.raises(ValueError, match="chunk_primer"):
             make_llm(path, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_without_a_chunk_cache_each_request_computes_its_own_primer(family, checkpoint,
+                                                                    hf_model):
+    """With the chunk cache off (or its region too small for P) P's KV goes to the request's
+    own slots: the same one-pass reference, alone and batched, slots all back after."""
+    path = checkpoint(family)
+    hf = hf_model(path)
+    S, A, B, C, Q = parts()
+    for kwargs in ({"enable_chunk_cache": False}, {"chunk_cache_tokens": 3}):
+        llm = make_llm(path, kv_cache_tokens=1024, chunk_primer=PRIMER, **kwargs)
+        prompts = [primed(S, [A, B, C], Q), primed(S, [C, A], Q, sinks=2, damping=0.5)]
+        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False),
+                               strict=True):
+            check(hf, prompt, out, primer_of(llm))
+        llm.check_integrity()
 
 
 def test_layout_of_a_primed_prompt():

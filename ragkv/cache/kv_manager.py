@@ -32,6 +32,9 @@ class SeqKV:
     # entries are known to equal `slots`.
     row: int = 0
     num_mirrored: int = 0
+    # Own slots outside the flat token list: the chunk primer's KV when the chunk cache does
+    # not hold it (engine/scheduler.py, `_primer`). Never in the slot table's row.
+    extra: list[int] = field(default_factory=list)
 
     def append(self, slots: list[int]) -> None:
         """Own slots for the next tokens."""
@@ -83,13 +86,13 @@ class SeqKV:
 
     def own_slots(self) -> list[int]:
         if not self.borrowed:
-            return self.slots[self.num_tree:]
+            return self.slots[self.num_tree:] + self.extra
         own, pos = [], self.num_tree
         for start, end in sorted(self.borrowed):
             own.extend(self.slots[pos:start])
             pos = end
         own.extend(self.slots[pos:])
-        return own
+        return own + self.extra
 
 
 class KVCacheManager:
@@ -171,6 +174,7 @@ class KVCacheManager:
         seq.num_tree = 0
         seq.handle = None
         seq.borrowed = []
+        seq.extra = []
         if self.on_release is not None:
             self.on_release(seq)
         seq.num_mirrored = 0

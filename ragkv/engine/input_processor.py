@@ -56,7 +56,8 @@ class ProcessedPrompt:
     layout: PromptLayout
     chunk_keys: tuple[ChunkKey, ...]
     recompute: RecomputeSpec | None
-    primer_key: ChunkKey | None = None  # P's key when the layout is primed
+    primer: tuple[int, ...] = ()  # P's tokens when the layout is primed
+    primer_key: ChunkKey | None = None  # and its chunk-cache key (with a chunk cache)
 
 
 class InputProcessor:
@@ -180,7 +181,8 @@ class InputProcessor:
                 params=params, seed=seed, max_tokens=max_tokens, stop_ids=frozenset(stop_ids),
                 metrics=RequestMetrics(arrival_time=arrival,
                                        num_repositioned_tokens=repositioned),
-                layout=layout, chunk_keys=done.chunk_keys, primer_key=done.primer_key,
+                layout=layout, chunk_keys=done.chunk_keys, primer=done.primer,
+                primer_key=done.primer_key,
                 kv=SeqKV(namespace=parsed.cache_salt or ""),
                 detokenizer=IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens,
                                                    start=len(token_ids)),
@@ -230,14 +232,14 @@ class InputProcessor:
                     f"computed at positions up to {top - 1}, past max_model_len="
                     f"{self.max_model_len}: send this prompt with chunk_primer=false")
         keys, primer_key = (), None
+        primer = tuple(primed) if layout.primer_len else ()
         if self.chunk_keys is not None and parsed.chunks:
-            primer = primed if layout.primer_len else ()
             keys = self.chunk_keys.of_prompt(parsed.system, parsed.chunks, attention,
                                              parsed.cache_salt, primer)
             if primer:
                 primer_key = self.chunk_keys.of_prompt(parsed.system, [primer], attention,
                                                        parsed.cache_salt)[0]
-        return ProcessedPrompt(parsed, layout, keys, recompute, primer_key)
+        return ProcessedPrompt(parsed, layout, keys, recompute, primer, primer_key)
 
     def _layout_of(self, prompt: ChunkedPrompt) -> tuple[str, str]:
         """(position_strategy, chunk_attention) of a prompt: its own, else the engine's; a

@@ -66,8 +66,10 @@ class Request:
     layout: PromptLayout
     # Each chunk's key in the chunk cache (none without one), made once per request.
     chunk_keys: tuple[ChunkKey, ...] = ()
-    # A primed layout's primer P as a chunk after S (inputs/primer.py): its KV is read by the
-    # later chunks this request computes. Its binding follows the chunks' in `bindings`.
+    # A primed layout's primer P (inputs/primer.py): its tokens, and its key as a chunk after
+    # S (None without a chunk cache). Its KV is read by the later chunks this request
+    # computes; its binding follows the chunks' in `bindings`.
+    primer: tuple[int, ...] = ()
     primer_key: ChunkKey | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0
@@ -125,7 +127,7 @@ class Request:
             self.cumulative_logprob = 0.0
         if self.params.counts_tokens:
             self.output_counts = Counter(self.output_token_ids)
-        self.bindings = [None] * (len(self.layout.chunk_bounds) + (self.primer_key is not None))
+        self.bindings = [None] * (len(self.layout.chunk_bounds) + bool(self.primer))
         self.looked_up = [False] * len(self.chunk_keys)
 
     @property

@@ -224,7 +224,7 @@ class Scheduler:
                     if chunk == 0 and layout.primer_len and self._primer_needed(req):
                         # P first, before any chunk of the request claims room in the
                         # chunk region (it could leave none for P).
-                        primer, n = self._primer(req, out, budget - used)
+                        primer, n = self._primer(req, out, budget - used, may_preempt)
                         used += n
                         if primer is None:  # P does not fit what is left of the budget
                             break
@@ -236,7 +236,7 @@ class Scheduler:
                         x = end  # reused: its KV is ready (or completes earlier this step)
                         continue
                     if layout.primed(chunk):
-                        primer, n = self._primer(req, out, budget - used)
+                        primer, n = self._primer(req, out, budget - used, may_preempt)
                         used += n
                         if primer is None:
                             break
@@ -304,20 +304,30 @@ class Scheduler:
     def _primer_needed(self, req: Request) -> bool:
         """Whether a chunk after the first is missing from the chunk cache (it will be
         computed, after P). A warm request never touches P."""
+        if self.chunk_cache is None:
+            return True
         find = self.chunk_cache.find
         return any(find(key) is None for key in req.chunk_keys[1:])
 
-    def _primer(self, req: Request, out: SchedulerOutput, room: int
+    def _primer(self, req: Request, out: SchedulerOutput, room: int, may_preempt: bool
                 ) -> tuple[tuple[int, ...] | None, int]:
         """The slots of the primer P's KV, which `req`'s primed chunks read, and the budget
-        used. P is bound once, like a chunk: reused when the cache has it, else computed at
-        once, whole, by a work of its own (None, and nothing planned, while it does not fit
-        `room`). So a request never holds P's entry unfinished across a step another one
-        waits on."""
+        used. P is bound once, like a chunk: its chunk-cache entry reused when complete (or
+        completing this step), else computed at once, whole, by a work of its own, into a new
+        entry, or into the request's own slots (`SeqKV.extra`) without a chunk cache or room
+        in its region (None, and nothing planned, while P does not fit `room`). So a request
+        never holds P unfinished across a step another one waits on."""
         at = len(req.layout.chunk_bounds)
         binding = req.bindings[at]
-        if binding is None:
-            cache = self.chunk_cache
+        if binding is not None:
+            entry = binding.entry
+            if entry is None:
+                return tuple(req.kv.extra), 0
+            if not (entry.complete or entry in out.completing):
+                raise RuntimeError("the chunk primer's entry is neither computed nor computing")
+            return tuple(entry.slots), 0
+        cache = self.chunk_cache
+        if cache is not None:
             entry = cache.find_or_load(req.primer_key)  # uncounted: P is no document
             if entry is LOADING:
                 raise _Blocked(_Stop.LOADING)
@@ -325,29 +335,24 @@ class Scheduler:
                 if not (entry.complete or entry in out.completing):
                     raise _Blocked(_Stop.CHUNK_WAIT)
                 cache.pin(entry)
-                binding = ChunkBinding(entry, computing=False)
-            else:
-                if len(req.primer_key) > room:
-                    return None, 0
-                entry = cache.reserve(req.primer_key)
-                if entry is None and len(req.primer_key) > cache.capacity:
-                    raise ValueError(f"the chunk primer ({len(req.primer_key)} tokens) does "
-                                     f"not fit the chunk region ({cache.capacity} slots)")
-                if entry is None:  # the region is full of pinned entries: later
-                    raise _Blocked(_Stop.NO_SLOTS)
-                binding = ChunkBinding(entry, computing=True)
-            req.bindings[at] = binding
-        entry = binding.entry
-        slots = tuple(entry.slots)
-        if entry.complete or entry in out.completing:
-            return slots, 0
-        s = req.layout.system_len  # reserved just now, with room for all of P
+                req.bindings[at] = ChunkBinding(entry, computing=False)
+                return tuple(entry.slots), 0
+        p = len(req.primer)
+        if p > room:
+            return None, 0
+        entry = cache.reserve(req.primer_key) if cache is not None else None
+        if entry is None:
+            req.kv.extra = self._alloc(req, p, out, may_preempt)
+        else:
+            out.completing.append(entry)
+        req.bindings[at] = ChunkBinding(entry, computing=True)
+        slots = tuple(req.kv.extra if entry is None else entry.slots)
+        s = req.layout.system_len
         out.works.append(SeqWork(
-            request=req, start=s, end=s, kv_spans=((0, s),),
-            token_ids=list(req.primer_key.tokens), positions=list(range(s, s + len(slots))),
-            sample=False, logits_from=s, primer=slots, computes_primer=True))
-        out.completing.append(entry)
-        return slots, len(slots)
+            request=req, start=s, end=s, kv_spans=((0, s),), token_ids=list(req.primer),
+            positions=list(range(s, s + p)), sample=False, logits_from=s, primer=slots,
+            computes_primer=True))
+        return slots, p
 
     def _alloc(self, req: Request, n: int, out: SchedulerOutput, may_preempt: bool) -> list[int]:
         """`n` general-region slots, preempting newer unscheduled requests if allowed."""

@@ -211,8 +211,6 @@ def resolve_recompute(config: EngineConfig, fingerprint: str, dynamic_rope: bool
         profile = find_profile(config.recompute_profile, fingerprint)
         given = dict(profile.settings if profile is not None else MODEL_AGNOSTIC)
         source = "profile" if profile is not None else "model-agnostic"
-        if not config.enable_chunk_cache:  # a primer's KV lives in the chunk cache
-            given.pop("chunk_primer", None)
         if config.recompute_ratio is not None and config.recompute_score_mass is None:
             # A ratio of the user's own without a score mass is a fixed budget of that ratio.
             given.pop("recompute_score_mass", None)
