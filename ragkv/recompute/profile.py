@@ -44,8 +44,9 @@ DEFAULTS = {"recompute": "none", "recompute_ratio": 0.15, "recompute_min_ratio":
 # The quality mode of a model without a profile: `query` with an adaptive budget, 10% to 50%
 # of the chunk tokens holding 90% of the question's attention, at the query scorer's check
 # layers as fractions of depth (policy.QUERY_CHECK_DEPTHS). It is what `ragkv calibrate`
-# chose for SmolLM2-135M (docs/fidelity.md: 400 questions, 87% of full prefill's accuracy,
-# 31% of the chunk tokens recomputed); no other model has been measured yet.
+# chose for SmolLM2-135M without a chunk primer (docs/fidelity.md: 400 questions, 83-87% of
+# full prefill's accuracy, 28-31% of the chunk tokens recomputed); SmolLM2's shipped profile
+# now primes its documents, which no other model has been measured with.
 MODEL_AGNOSTIC = {"recompute": "query", "recompute_ratio": 0.5, "recompute_min_ratio": 0.1,
                   "recompute_score_mass": 0.9}
 SETTINGS = ("recompute", "recompute_ratio", "recompute_min_ratio", "recompute_score_mass",
