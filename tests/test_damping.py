@@ -33,16 +33,18 @@ def damped(system, chunks, question, sinks: int, damping: float, method: str = "
                      recompute_damping=damping)
 
 
-def reference_layout(system, chunks, question, recomputed: int):
+def reference_layout(system, chunks, question, recomputed: int, primer=()):
     """Token ids, positions, visibility [T, T], hidden [T] and stale [T] (bool) of the
-    one pass: `recomputed` first tokens of each chunk after the first are recomputed."""
-    s = len(system)
-    ids, positions = list(system), list(range(s))
-    rows: list[list[int]] = [list(range(t + 1)) for t in range(s)]
+    one pass, and the question's first index: `recomputed` first tokens of each chunk after
+    the first are recomputed; with a `primer` P those chunks are cached after S + P (the
+    chunk primer, tests/test_primer.py)."""
+    s = len(system) + len(primer)  # what a later chunk's cached KV follows
+    ids, positions = list(system), list(range(len(system)))
+    rows: list[list[int]] = [list(range(t + 1)) for t in range(len(system))]
     hidden: set[int] = set()
     stale: set[int] = set()
-    seen: list[int] = list(range(s))  # what the question sees: S and every visible chunk token
-    target = s
+    seen: list[int] = list(range(len(system)))  # what the question sees: S and every chunk
+    target = len(system)
     for c, chunk in enumerate(chunks):
         if c == 0:  # after S where it was computed: a full prefill's KV
             start = len(ids)
@@ -50,9 +52,9 @@ def reference_layout(system, chunks, question, recomputed: int):
             positions += range(target, target + len(chunk))
             rows += [list(range(start + j + 1)) for j in range(len(chunk))]
         else:
-            # The chunk as cached: a copy of S right before it, its tokens after that copy.
+            # The chunk as cached: a copy of S (+ P) right before it, its tokens after that.
             copy = len(ids)
-            ids += system + chunk
+            ids += list(system) + list(primer) + chunk
             positions += list(range(target - s, target)) + list(range(target, target + len(chunk)))
             rows += [list(range(copy, copy + j + 1)) for j in range(s + len(chunk))]
             hidden.update(range(copy, copy + s + len(chunk)))
@@ -86,18 +88,26 @@ def reference_layout(system, chunks, question, recomputed: int):
 def check_damped(llm, hf, prompt: RAGPrompt, out, recomputed: int) -> None:
     """`out` (greedy, logprobs) teacher-forced against the one pass with its damping."""
     system, chunks, question = prompt.system, prompt.chunks, prompt.question
-    ids, positions, visible, hidden, stale, q0 = reference_layout(system, chunks, question,
-                                                                  recomputed)
-    got = out.outputs[0]
     assert out.prompt_token_ids == system + [t for c in chunks for t in c] + question
+    teacher_forced(hf, out, *reference_layout(system, chunks, question, recomputed),
+                   prompt.recompute_damping)
+    assert out.metrics.num_recomputed_tokens == sum(min(recomputed, len(c)) for c in chunks[1:])
+
+
+def teacher_forced(hf, out, ids, positions, visible, hidden, stale, q0, damping) -> None:
+    """`out`'s greedy tokens and logprobs against one pass over `ids` and its answer (the
+    tokens after `ids` see what the question sees), `damping` subtracted from the logits of
+    the `stale` columns in the rows from `q0` on."""
+    got = out.outputs[0]
     fed = got.token_ids[:-1]
     positions, visible = extend_layout(positions, visible, len(fed), hidden)
-    stale = torch.cat([stale, torch.zeros(len(fed), dtype=torch.bool)])
-    offsets = torch.zeros(visible.shape)
-    offsets[q0:, stale] = -prompt.recompute_damping
     masks = attention_masks(hf.config, positions, visible)
-    masks = ({k: m + offsets for k, m in masks.items()} if isinstance(masks, dict)
-             else masks + offsets)
+    if damping:
+        stale = torch.cat([stale, torch.zeros(len(fed), dtype=torch.bool)])
+        offsets = torch.zeros(visible.shape)
+        offsets[q0:, stale] = -damping
+        masks = ({k: m + offsets for k, m in masks.items()} if isinstance(masks, dict)
+                 else masks + offsets)
     logits = hf(input_ids=torch.tensor([ids + fed]), attention_mask=masks,
                 position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
     logp = logits.float().log_softmax(-1)
@@ -105,7 +115,6 @@ def check_damped(llm, hf, prompt: RAGPrompt, out, recomputed: int) -> None:
     for step, top in enumerate(got.logprobs):
         for tid, lp in top.items():
             assert abs(lp.logprob - logp[step, tid].item()) < TOL, (step, tid, lp.logprob)
-    assert out.metrics.num_recomputed_tokens == sum(min(recomputed, len(c)) for c in chunks[1:])
 
 
 def prompts():

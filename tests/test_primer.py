@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import MAIN_FAMILIES, random_prompt
-from reference import attention_masks, extend_layout, layout_reference
-from test_rag import GREEDY, TOL, make_llm
+from reference import layout_reference
+from test_damping import prompts, reference_layout, teacher_forced
+from test_rag import GREEDY, make_llm
 
 from ragkv.inputs.layout import PromptLayout
 from ragkv.inputs.primer import DEFAULT_CHUNK_PRIMER, primer_tokens
@@ -35,95 +36,22 @@ def primed(system, chunks, question, sinks: int = 0, damping: float = 0.0,
                      chunk_attention="isolated", **options)
 
 
-def primed_reference(system, chunks, question, primer, recomputed: int = 0):
-    """Token ids, positions, visibility [T, T], hidden [T] and stale [T] (bool) of the one
-    pass, and the question's first index: each chunk after the first as cached after S + P,
-    its `recomputed` first tokens recomputed."""
-    s, p = len(system), len(primer)
-    ids, positions = list(system), list(range(s))
-    rows: list[list[int]] = [list(range(t + 1)) for t in range(s)]
-    hidden: set[int] = set()
-    stale: set[int] = set()
-    seen = list(range(s))
-    target = s
-    for c, chunk in enumerate(chunks):
-        n = len(chunk)
-        if c == 0:
-            start = len(ids)
-            ids += chunk
-            positions += range(target, target + n)
-            rows += [list(range(start + j + 1)) for j in range(n)]
-        else:
-            # The chunk as cached: S, P and the chunk, its copy where the chunk lies.
-            copy = len(ids)
-            ids += system + primer + chunk
-            positions += range(target - s - p, target + n)
-            rows += [list(range(copy, copy + j + 1)) for j in range(s + p + n)]
-            hidden.update(range(copy, copy + s + p + n))
-            old = copy + s + p
-            start = len(ids)
-            ids += chunk
-            positions += range(target, target + n)
-            for j in range(n):
-                if j < recomputed:
-                    rows.append(seen + list(range(start, start + j + 1)))
-                else:
-                    rows.append(list(range(copy, old + j)) + [start + j])
-                    stale.add(start + j)
-        seen = seen + list(range(start, start + n))
-        target += n
-    start = len(ids)
-    ids += question
-    positions += range(target, target + len(question))
-    rows += [seen + list(range(start, start + j + 1)) for j in range(len(question))]
-    visible = torch.zeros(len(ids), len(ids), dtype=torch.bool)
-    for t, cols in enumerate(rows):
-        visible[t, cols] = True
-    flags = [torch.zeros(len(ids), dtype=torch.bool) for _ in range(2)]
-    flags[0][sorted(hidden)] = True
-    flags[1][sorted(stale)] = True
-    return ids, positions, visible, flags[0], flags[1], start
-
-
 @torch.inference_mode()
 def check(hf, prompt: RAGPrompt, out, primer: list[int] | None) -> None:
     """`out` (greedy, logprobs) teacher-forced against its one pass: primed (`primer`) with
     the prompt's sink recompute and damping, or the plain sequential layout (None)."""
     system, chunks, question = prompt.system, prompt.chunks, prompt.question
-    got = out.outputs[0]
     assert out.prompt_token_ids == system + [t for c in chunks for t in c] + question
     if primer is None or not prompt.recompute_sink_tokens:
         # Without recompute, the general layout reference (its copies of S + P) must agree.
         ids, positions, visible, hidden = layout_reference(system, chunks, question,
                                                            "sequential", "isolated",
                                                            primer or ())
-        stale, q0 = torch.zeros(len(ids), dtype=torch.bool), len(ids)
+        layout = (ids, positions, visible, hidden, None, len(ids))
     else:
-        ids, positions, visible, hidden, stale, q0 = primed_reference(
-            system, chunks, question, primer, prompt.recompute_sink_tokens or 0)
-        q0 = len(ids) - len(question)
-    fed = got.token_ids[:-1]
-    positions, visible = extend_layout(positions, visible, len(fed), hidden)
-    masks = attention_masks(hf.config, positions, visible)
-    if prompt.recompute_damping:
-        stale = torch.cat([stale, torch.zeros(len(fed), dtype=torch.bool)])
-        offsets = torch.zeros(visible.shape)
-        offsets[q0:, stale] = -prompt.recompute_damping
-        masks = ({k: m + offsets for k, m in masks.items()} if isinstance(masks, dict)
-                 else masks + offsets)
-    logits = hf(input_ids=torch.tensor([ids + fed]), attention_mask=masks,
-                position_ids=torch.tensor([positions])).logits[0, len(ids) - 1:]
-    logp = logits.float().log_softmax(-1)
-    assert logp.argmax(-1).tolist() == got.token_ids
-    for step, top in enumerate(got.logprobs):
-        for tid, lp in top.items():
-            assert abs(lp.logprob - logp[step, tid].item()) < TOL, (step, tid, lp.logprob)
-
-
-def parts():
-    S = random_prompt(9, seed=1)
-    A, B, C = (random_prompt(n, seed=40 + n) for n in (14, 21, 8))
-    return S, A, B, C, random_prompt(6, seed=2)
+        layout = reference_layout(system, chunks, question, prompt.recompute_sink_tokens,
+                                  primer)
+    teacher_forced(hf, out, *layout, prompt.recompute_damping)
 
 
 def primer_of(llm) -> list[int]:
@@ -140,7 +68,7 @@ def test_primed_chunks_match_the_one_pass_reference(family, checkpoint, hf_model
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER)
     P = primer_of(llm)
     assert 0 < len(P) < 14
-    S, A, B, C, Q = parts()
+    S, A, B, C, Q = prompts()
     for prompt in (primed(S, [A, B, C], Q), primed(S, [A, B, C], Q), primed(S, [C, A, B], Q)):
         out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
         llm.check_integrity()
@@ -164,7 +92,7 @@ def test_first_chunk_shorter_than_the_primer_and_a_small_budget(checkpoint, hf_m
                    max_num_batched_tokens=96, max_num_seqs=4)
     P = primer_of(llm)
     assert list(primer_tokens(llm.engine.tokenizer, DEFAULT_CHUNK_PRIMER)) == P
-    S, A, B, C, Q = parts()
+    S, A, B, C, Q = prompts()
     assert len(P) > len(A)
     D, E = random_prompt(12, seed=77), random_prompt(30, seed=78)
     pair = [primed(S, [A, D, E], Q), primed(S[:5], [C, B], Q)]
@@ -186,7 +114,7 @@ def test_per_request_switch_other_layouts_and_bad_values(checkpoint, hf_model):
     path = checkpoint("llama")
     hf = hf_model(path)
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER)
-    S, A, B, C, Q = parts()
+    S, A, B, C, Q = prompts()
     off = primed(S, [A, B], Q, chunk_primer=False)
     check(hf, off, llm.generate([off], GREEDY, use_tqdm=False)[0], None)
     assert llm.engine.recompute_settings()["chunk_primer"] == PRIMER
@@ -221,11 +149,11 @@ def test_without_a_chunk_cache_each_request_computes_its_own_primer(family, chec
     own slots: the same one-pass reference, alone and batched, slots all back after."""
     path = checkpoint(family)
     hf = hf_model(path)
-    S, A, B, C, Q = parts()
+    S, A, B, C, Q = prompts()
     for kwargs in ({"enable_chunk_cache": False}, {"chunk_cache_tokens": 3}):
         llm = make_llm(path, kv_cache_tokens=1024, chunk_primer=PRIMER, **kwargs)
-        prompts = [primed(S, [A, B, C], Q), primed(S, [C, A], Q, sinks=2, damping=0.5)]
-        for prompt, out in zip(prompts, llm.generate(prompts, GREEDY, use_tqdm=False),
+        batch = [primed(S, [A, B, C], Q), primed(S, [C, A], Q, sinks=2, damping=0.5)]
+        for prompt, out in zip(batch, llm.generate(batch, GREEDY, use_tqdm=False),
                                strict=True):
             check(hf, prompt, out, primer_of(llm))
         llm.check_integrity()
@@ -251,7 +179,7 @@ def test_primed_chunks_on_two_ranks(checkpoint, hf_model):
 
     path = checkpoint("llama_gqa3")
     hf = hf_model(path)
-    S, A, B, C, Q = parts()
+    S, A, B, C, Q = prompts()
     with tp_llm(path, chunk_cache_tokens=512, chunk_primer=PRIMER) as llm:
         for prompt in (primed(S, [A, B, C], Q), primed(S, [C, B], Q),
                        primed(S, [B, A], Q, sinks=2, damping=1.0)):
@@ -267,7 +195,7 @@ def test_warm_prompts_leave_the_primer_alone_and_a_failed_step_fails_its_readers
     path = checkpoint("llama")
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER,
                    max_model_len=64)
-    S, A, B, C, Q = parts()
+    S, A, B, C, Q = prompts()
     engine = llm.engine
     llm.generate([primed(S, [A, B], Q)], GREEDY, use_tqdm=False)
     key = engine.inputs.process(primed(S, [A, B], Q)).primer_key
