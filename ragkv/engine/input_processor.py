@@ -232,7 +232,7 @@ class InputProcessor:
                     f"computed at positions up to {top - 1}, past max_model_len="
                     f"{self.max_model_len}: send this prompt with chunk_primer=false")
         keys, primer_key = (), None
-        primer = tuple(primed) if layout.primer_len else ()
+        primer = primed if layout.primer_len else ()
         if self.chunk_keys is not None and parsed.chunks:
             keys = self.chunk_keys.of_prompt(parsed.system, parsed.chunks, attention,
                                              parsed.cache_salt, primer)

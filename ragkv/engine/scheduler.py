@@ -494,25 +494,8 @@ class Scheduler:
                         or len(w.token_ids) != len(w.primer)):
                     raise AssertionError(f"scheduler: malformed primer work for request "
                                          f"{req.request_id}")
-                for slot in w.write_slots():
-                    if slot == 0 or slot in written:
-                        raise AssertionError(f"scheduler: slot {slot} written twice in one "
-                                             "step (or the padding slot)")
-                    written.add(slot)
-                continue
-            q = w.end - w.start
-            if req.num_drafts and not (w.sample and w.end - w.logits_from == req.num_drafts + 1):
-                raise AssertionError(f"scheduler: request {req.request_id}'s work does not "
-                                     "return a row for each of its drafts")
-            if not (0 <= w.start < w.end <= req.num_tokens and w.kv_spans
-                    and w.kv_spans[-1][1] == w.end and w.num_kv >= q
-                    and all(0 <= a <= b <= len(req.kv.slots) for a, b in w.kv_spans)):
-                raise AssertionError(f"scheduler: malformed work {w.start}..{w.end} "
-                                     f"{w.kv_spans} for request {req.request_id}")
-            chunk = req.layout.chunk_at(w.start)
-            if w.query_index is None and chunk is not None and not (
-                    req.bindings[chunk] and req.bindings[chunk].computing):
-                raise AssertionError("scheduler: a work writes into a chunk it only reuses")
+            else:
+                _check_flat_work(w)
             for slot in w.write_slots():
                 if slot == 0 or slot in written:
                     raise AssertionError(f"scheduler: slot {slot} written twice in one step "
@@ -537,6 +520,24 @@ class Scheduler:
         for entry in out.completing:
             if entry.complete or not entry.alive or id(entry) not in owners:
                 raise AssertionError("scheduler: a completing chunk entry has no live owner")
+
+
+def _check_flat_work(w: SeqWork) -> None:
+    """The invariants of a work over flat tokens of its request (every work but P's)."""
+    req = w.request
+    q = w.end - w.start
+    if req.num_drafts and not (w.sample and w.end - w.logits_from == req.num_drafts + 1):
+        raise AssertionError(f"scheduler: request {req.request_id}'s work does not "
+                             "return a row for each of its drafts")
+    if not (0 <= w.start < w.end <= req.num_tokens and w.kv_spans
+            and w.kv_spans[-1][1] == w.end and w.num_kv >= q
+            and all(0 <= a <= b <= len(req.kv.slots) for a, b in w.kv_spans)):
+        raise AssertionError(f"scheduler: malformed work {w.start}..{w.end} "
+                             f"{w.kv_spans} for request {req.request_id}")
+    chunk = req.layout.chunk_at(w.start)
+    if w.query_index is None and chunk is not None and not (
+            req.bindings[chunk] and req.bindings[chunk].computing):
+        raise AssertionError("scheduler: a work writes into a chunk it only reuses")
 
 
 def _work(req: Request, start: int, end: int, spans: tuple[tuple[int, int], ...],

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from ..inputs.prompt import ChunkedPrompt, RAGPrompt, parse_prompt
 from ..llm import LLM
 from ..sampling.params import SamplingParams
-from .modes import REFERENCE, mode_of
+from .modes import REFERENCE, get_mode
 from .suite import TASKS, EvalItem, is_correct
 
 
@@ -122,7 +122,7 @@ def evaluate(llm: LLM, items: Sequence[EvalItem], mode_names: Sequence[str],
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     names = [REFERENCE] + [m for m in mode_names if m != REFERENCE]
-    modes = [mode_of(llm.engine, m) for m in names]
+    modes = [get_mode(m, llm.engine) for m in names]
     engine = llm.engine
     tokenizer = llm.get_tokenizer()
     generate = SamplingParams(max_tokens=max_tokens, temperature=0.0)

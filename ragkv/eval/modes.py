@@ -165,13 +165,6 @@ def calibrated_mode(engine) -> EvalMode:
                     _layout("sequential", "isolated", **options), primable=True)
 
 
-def mode_of(engine, name: str) -> EvalMode:
-    """The mode `name` on `engine` (`calibrated` reads its model's profile)."""
-    if name.endswith(PRIMED):
-        return primed_mode(mode_of(engine, name[:-len(PRIMED)]))
-    return calibrated_mode(engine) if name == CALIBRATED else get_mode(name)
-
-
 MODES: dict[str, EvalMode] = {}
 
 
@@ -179,9 +172,13 @@ def register_mode(mode: EvalMode) -> None:
     MODES[mode.name] = mode
 
 
-def get_mode(name: str) -> EvalMode:
+def get_mode(name: str, engine=None) -> EvalMode:
+    """The mode `name`; `calibrated` (given the `engine`, whose model's profile it reads)
+    too."""
     if name.endswith(PRIMED):
-        return primed_mode(get_mode(name[:-len(PRIMED)]))
+        return primed_mode(get_mode(name.removesuffix(PRIMED), engine))
+    if name == CALIBRATED and engine is not None:
+        return calibrated_mode(engine)
     mode = MODES.get(name)
     if mode is None and "@" in name:
         return recompute_mode(name)

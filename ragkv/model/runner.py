@@ -199,8 +199,8 @@ class ModelRunner:
             spans = w.kv_spans
             index = self.slot_table.entries(row, spans)
             if w.primer:  # P's KV after S (a primed chunk's list, or P's own)
-                index = torch.cat([index[:spans[0][1] - spans[0][0]], self._primer_index(w),
-                                   index[spans[0][1] - spans[0][0]:]])
+                system = spans[0][1] - spans[0][0]
+                index = torch.cat([index[:system], self._primer_index(w), index[system:]])
             q, k = len(w.token_ids), index.numel()
             at = w.query_index
             if at is not None and at[0] == k - q and at[-1] == k - 1:
