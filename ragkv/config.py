@@ -179,7 +179,8 @@ class EngineConfig:
     # document but the first has its KV computed after S and this fixed passage P instead of
     # after S alone, as a document that follows another one; nothing after the documents
     # reads P. "default": the built-in passage; "none": off; else the passage's text; None:
-    # the calibrated profile's (recompute/profile.py), else off. A request may turn it off
+    # the calibrated profile's, else the model-agnostic default's (recompute/profile.py: the
+    # built-in passage), where that default applies. A request may turn it off
     # (or on) with `chunk_primer`. P's KV is one chunk-cache entry per system prompt (each
     # request's own without a chunk cache).
     chunk_primer: str | None = None

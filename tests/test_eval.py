@@ -148,8 +148,8 @@ def test_primed_modes_on_an_engine_with_a_chunk_primer():
     with pytest.raises(ValueError, match="sequential-isolated modes"):
         get_mode("chunk+primer")
     with pytest.raises(ValueError, match="chunk_primer=true needs"):
-        evaluate(LLM("builtin:tiny", dtype="float32", device="cpu"), items[:1],
-                 ["sequential+primer"], max_tokens=2, progress=False)
+        evaluate(LLM("builtin:tiny", dtype="float32", device="cpu", chunk_primer="none"),
+                 items[:1], ["sequential+primer"], max_tokens=2, progress=False)
     primed.check_integrity()
 
 

@@ -22,6 +22,10 @@ TEXTS = [f"Document {i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(12 +
          for i in range(4)]
 
 
+# Servers of these tests store and load documents computed without the chunk primer.
+NO_PRIMER = ("--chunk-primer", "none")
+
+
 def write_corpus(path, texts=TEXTS) -> str:
     with open(path, "w") as f:
         for i, text in enumerate(texts):
@@ -30,6 +34,10 @@ def write_corpus(path, texts=TEXTS) -> str:
 
 
 def precompute(model: str, corpus: str, store: str, *args: str) -> subprocess.CompletedProcess:
+    # Without a primer unless a test gives one (the quality mode's default primer would store
+    # each document twice: test_precompute_with_a_chunk_primer_stores_both_copies).
+    if "--chunk-primer" not in args:
+        args = (*args, "--chunk-primer", "none")
     return subprocess.run(
         [sys.executable, "-m", "ragkv", "precompute", "--model", model, "--documents",
          corpus, "--system", SYSTEM, "--store", store, "--no-progress", "--batch-size", "3",
@@ -185,7 +193,7 @@ def test_replicas_share_redis_precomputed_corpus_with_metrics(llama, tmp_path, r
     done = precompute(path, corpus, redis_server.url)
     assert done.returncode == 0, done.stderr
     assert summary_field(done.stdout, "computed") == 4
-    llm = LLM(path, kv_cache_tokens=2048)  # no store: the expected tokens
+    llm = LLM(path, kv_cache_tokens=2048, chunk_primer="none")  # no store: expected tokens
     docs = [TEXTS[3], TEXTS[1], TEXTS[0]]
     prompt = llm.engine.process_chat(chat(docs), documents=docs)
     ids, positions, visible, hidden = layout_reference(prompt.system, prompt.chunks,
@@ -194,7 +202,7 @@ def test_replicas_share_redis_precomputed_corpus_with_metrics(llama, tmp_path, r
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     expected = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert expected.token_ids == want
-    with running_server(path, "--chunk-store", redis_server.url) as base:
+    with running_server(path, "--chunk-store", redis_server.url, *NO_PRIMER) as base:
         r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
             "model": path, "messages": chat(docs), "documents": docs, "max_tokens": 3,
             "temperature": 0, "ignore_eos": True})
@@ -227,8 +235,8 @@ def test_two_servers_share_one_redis(llama, redis_server):
     body = {"model": path, "messages": chat(docs), "documents": docs, "max_tokens": 4,
             "temperature": 0, "ignore_eos": True}
     client = redis.Redis.from_url(redis_server.url)
-    with running_server(path, "--chunk-store", redis_server.url) as first, \
-            running_server(path, "--chunk-store", redis_server.url) as second:
+    with running_server(path, "--chunk-store", redis_server.url, *NO_PRIMER) as first, \
+            running_server(path, "--chunk-store", redis_server.url, *NO_PRIMER) as second:
         a = httpx.post(f"{first}/v1/chat/completions", json=body, timeout=120)
         assert a.status_code == 200, a.text
         deadline = time.monotonic() + 30  # the write-through lands off the request's path

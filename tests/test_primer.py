@@ -13,6 +13,8 @@ budget, on two ranks, and `check_integrity()` after each.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import MAIN_FAMILIES, random_prompt
@@ -83,13 +85,14 @@ def test_primed_chunks_match_the_one_pass_reference(family, checkpoint, hf_model
 
 
 def test_first_chunk_shorter_than_the_primer_and_a_small_budget(checkpoint, hf_model):
-    """The default passage (longer than the first chunk: later chunks' keys turn backwards),
-    P and the chunks computed over several steps of 32 tokens, and two cold prompts in one
-    step that both need P (one computes it, the other reads it in the same step)."""
+    """The default passage (longer than the first chunk: later chunks' keys turn backwards)
+    with two cold prompts that both need P (one computes it, the other reads it in the same
+    step or after it) under a budget of 320 tokens, then a short P and the chunks computed
+    over several steps of 32 tokens."""
     path = checkpoint("llama")
     hf = hf_model(path)
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=1024, chunk_primer="default",
-                   max_num_batched_tokens=96, max_num_seqs=4)
+                   max_num_batched_tokens=320, max_num_seqs=4)
     P = primer_of(llm)
     assert list(primer_tokens(llm.engine.tokenizer, DEFAULT_CHUNK_PRIMER)) == P
     S, A, B, C, Q = prompts()
@@ -140,6 +143,14 @@ def test_per_request_switch_other_layouts_and_bad_values(checkpoint, hf_model):
     for kwargs in ({"chunk_primer": "  "}, {"chunk_primer": 3}):
         with pytest.raises(ValueError, match="chunk_primer"):
             make_llm(path, **kwargs)
+    with pytest.raises(ValueError, match=r"chunk_primer has \d+ tokens, more than "
+                       r"max_num_batched_tokens=64 .*chunk_primer='none'"):
+        make_llm(path, chunk_primer="default", max_num_batched_tokens=64)
+    # The quality mode's own primer (here the model-agnostic default's) is left out instead.
+    small = make_llm(path, position_strategy=None, max_num_batched_tokens=64)
+    assert small.engine.config.chunk_primer == "none" and not small.engine.inputs.primer
+    assert "chunk primer" not in small.engine.describe_rag_default()
+    assert make_llm(path, position_strategy=None).engine.config.chunk_primer == "default"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -191,7 +202,8 @@ def test_primed_chunks_on_two_ranks(checkpoint, hf_model):
 def test_warm_prompts_leave_the_primer_alone_and_a_failed_step_fails_its_readers(checkpoint):
     """A prompt whose later chunks are all cached (or being computed) never pins or computes
     P; a request bound to reuse chunks a failing step was computing is failed with it, never
-    left reading KV that was not written; prompts the primer cannot serve are clear errors."""
+    left reading KV that was not written; prompts the primer cannot serve are clear errors
+    where they ask for it, and served unprimed where it is the engine's default."""
     path = checkpoint("llama")
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512, chunk_primer=PRIMER,
                    max_model_len=64)
@@ -224,7 +236,14 @@ def test_warm_prompts_leave_the_primer_alone_and_a_failed_step_fails_its_readers
     with pytest.raises(ValueError, match="chunk_primer=true applies to sequential"):
         llm.generate([RAGPrompt(S, [A, B], Q, chunk_primer=True, position_strategy="shared")],
                      GREEDY, use_tqdm=False)
+    # Primed positions past max_model_len: an error where the request asked for the primer,
+    # else (the engine's default) the prompt is served unprimed, the plain sequential layout.
+    long = primed(S, [random_prompt(2, seed=9), random_prompt(46, seed=8)], Q[:2])
     with pytest.raises(ValueError, match="past max_model_len=64"):
-        llm.generate([primed(S, [random_prompt(2, seed=9), random_prompt(46, seed=8)],
-                             Q[:2])], GREEDY, use_tqdm=False)
+        llm.generate([replace(long, chunk_primer=True)], GREEDY, use_tqdm=False)
+    done = engine.inputs.process(long)
+    assert done.layout.primer_len == 0 and done.primer_key is None
+    assert done.chunk_keys[1] == engine.inputs.process(
+        replace(long, chunk_primer=False)).chunk_keys[1]
+    assert len(llm.generate([long], GREEDY, use_tqdm=False)[0].outputs[0].token_ids) > 0
     llm.check_integrity()

@@ -314,7 +314,8 @@ def test_recompute_as_engine_default_and_in_stats(llama):
 def test_quality_mode_is_the_default(llama):
     """An engine built with no layout or recompute settings serves RAG prompts in the quality
     mode: sequential positions, and (no calibrated profile here) the model-agnostic adaptive
-    `query` recompute, 10% to 50% of the chunk tokens holding 0.9 of the scores. Its warm
+    `query` recompute, 10% to 50% of the chunk tokens holding 0.9 of the scores, with later
+    documents computed after the built-in chunk primer. Its warm
     answer equals its cold one token for token and the same mode named explicitly; a prompt may
     still ask for the exact shared layout, and a ratio of its own is a fixed budget whose ends
     are the references."""
@@ -327,6 +328,7 @@ def test_quality_mode_is_the_default(llama):
             c.recompute_score_mass) == ("sequential", "query", 0.5, 0.1, 0.9)
     settings = llm.engine.recompute_settings()
     assert settings["source"] == "model-agnostic" and settings["profile"] is None
+    assert c.chunk_primer == "default" and llm.engine.inputs.primer
     assert settings["recompute_check_layers"] == [0, 1]  # 13/27/40% of 2 layers
     S, A, B = random_prompt(6, seed=140), random_prompt(15, seed=141), random_prompt(9, seed=142)
     Q = random_prompt(4, seed=143)
@@ -338,7 +340,8 @@ def test_quality_mode_is_the_default(llama):
     n = len(A) + len(B)  # the budget's share is of every chunk token; only B's can change
     assert (math.ceil(0.1 * n) <= cold.metrics.num_recomputed_tokens <= len(B)
             and warm.metrics.num_recomputed_tokens == cold.metrics.num_recomputed_tokens)
-    explicit = make_llm(path, kv_cache_tokens=2048)  # shared: recompute only when named
+    # Shared unless named: recompute and the primer only when named.
+    explicit = make_llm(path, kv_cache_tokens=2048, chunk_primer="default")
     named = RAGPrompt(S, [A, B], Q, position_strategy="sequential", recompute="query",
                       recompute_ratio=0.5, recompute_min_ratio=0.1, recompute_score_mass=0.9)
     out = explicit.generate([named], GREEDY, use_tqdm=False)[0]
@@ -351,7 +354,8 @@ def test_quality_mode_is_the_default(llama):
     want, _ = reference(hf, shared, ("shared", "isolated"))
     assert out.outputs[0].token_ids == want
     for ratio, exact in ((1.0, "full"), (0.0, "sequential")):
-        own = RAGPrompt(S, [A, B], Q, recompute_ratio=ratio)
+        # r = 0 without the primer is the plain sequential layout (with it: test_primer.py).
+        own = RAGPrompt(S, [A, B], Q, recompute_ratio=ratio, chunk_primer=bool(ratio))
         out = llm.generate([own], GREEDY, use_tqdm=False)[0]
         assert out.metrics.num_recomputed_tokens == round(ratio * len(B))
         check(hf, own, out, exact)

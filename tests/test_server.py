@@ -27,10 +27,11 @@ DOCS_PROMPT = ("You answer from the documents. ## Bread needs flour, water and s
 @pytest.fixture(scope="module")
 def server():
     # `##` prompts split into documents, as an operator asks with --chunk-separator; the
-    # clients are trusted with their own chat templates.
+    # clients are trusted with their own chat templates; no chunk primer (a request asking
+    # for one is an error here), so reordered documents are all hits.
     with running_server(MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes",
                         "200000", "--chunk-separator", "##", "--trust-request-chat-template",
-                        env={"RAGKV_API_KEY": KEY}) as base:
+                        "--chunk-primer", "none", env={"RAGKV_API_KEY": KEY}) as base:
         yield base
 
 
@@ -41,7 +42,7 @@ def client(server) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, chunk_separator="##")
+    return LLM(MODEL, max_model_len=MAX_MODEL_LEN, chunk_separator="##", chunk_primer="none")
 
 
 def integrity(base: str) -> dict:

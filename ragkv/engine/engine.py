@@ -71,11 +71,10 @@ class Engine:
         self.model_config = mc = checkpoint.model_config
         # The default layout and every recompute setting made concrete: the quality mode
         # (sequential + the model's calibrated recompute) where the user left them unset.
-        given_layers = config.recompute_check_layers
+        given_layers, given_primer = config.recompute_check_layers, config.chunk_primer
         config, self.recompute_profile, self.recompute_source = resolve_recompute(
             config, checkpoint.fingerprint, mc.rope.get("rope_type") == "dynamic")
         self.config = config
-        logger.info("RAG default: %s", self.describe_rag_default())
         self.device = resolve_device(config)
         packed = use_packed(config, checkpoint, self.device)
         self.dtype = resolve_dtype(config, self.device, checkpoint.torch_dtype)
@@ -103,9 +102,10 @@ class Engine:
         self.inputs = InputProcessor(config, mc, self.tokenizer, self.max_model_len,
                                      self.eos_token_ids, self.model.rotary.dynamic, keys,
                                      self.token_cache, self.structured,
-                                     # Check layers the user gave serve every method; a
-                                     # profile's only its own scorers (calibrated for them).
-                                     layers_for_all=given_layers is not None)
+                                     layers_for_all=given_layers is not None,
+                                     primer_given=given_primer is not None)
+        self.config = config = self.inputs.config  # without a default's primer that can't fit
+        logger.info("RAG default: %s", self.describe_rag_default())
         self.pool = KVPool(mc.num_layers, size.num_slots, self.model.num_kv_heads, mc.head_dim,
                            self.dtype, self.device)
         self.runner = make_runner(self.model, self.pool, RankSpec(

@@ -16,6 +16,7 @@ cheaply on the tokenized prompt.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from ..sampling.params import SamplingParams
 from ..structured.token_grammar import StructuredOutputs
 from .request import Request
 
+logger = logging.getLogger(__name__)
+
 _SEED_MASK = (1 << 64) - 1
 
 
@@ -64,10 +67,13 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, tokenizer,
                  max_model_len: int, eos_token_ids: frozenset[int], dynamic_rope: bool,
                  chunk_keys: ChunkKeys | None, token_cache: TokenCache | None,
-                 structured: StructuredOutputs, layers_for_all: bool = True) -> None:
+                 structured: StructuredOutputs, layers_for_all: bool = True,
+                 primer_given: bool = True) -> None:
         """`chunk_keys`: the engine's chunk keys (None without a chunk cache);
         `layers_for_all`: the configured check layers apply to every method (the user's),
-        else only to methods with the engine's scorers (a calibrated profile's)."""
+        else only to methods with the engine's scorers (a calibrated profile's);
+        `primer_given`: the user set `chunk_primer` (else it is a default's, which is left
+        out where it cannot be computed: `config` then says "none")."""
         self.layers_for_all = layers_for_all
         self.config = config
         self.model_config = model_config
@@ -84,9 +90,18 @@ class InputProcessor:
         self.rules = PromptRules(model_config.vocab_size, config.chunk_separator,
                                  config.max_chunk_tokens, config.oversize_chunk, max_chars)
         self.primer = primer_tokens(tokenizer, config.chunk_primer)
+        if len(self.primer) > config.max_num_batched_tokens and not primer_given:
+            # A profile's or the model-agnostic default's primer: the user asked for none.
+            logger.warning("the chunk primer (%d tokens) does not fit max_num_batched_tokens="
+                           "%d (it is computed in one step): documents are computed without it",
+                           len(self.primer), config.max_num_batched_tokens)
+            self.config = config = replace(config, chunk_primer="none")
+            self.primer = ()
         if len(self.primer) > config.max_num_batched_tokens:  # P is computed in one step
             raise ValueError(f"chunk_primer has {len(self.primer)} tokens, more than "
-                             f"max_num_batched_tokens={config.max_num_batched_tokens}")
+                             f"max_num_batched_tokens={config.max_num_batched_tokens} (it is "
+                             "computed in one step): raise max_num_batched_tokens, give a "
+                             "shorter chunk_primer, or set chunk_primer='none'")
         self._rng = random.Random(config.seed)
         self._counter = 0
         # The engine's own defaults must be possible on this model.
@@ -226,11 +241,15 @@ class InputProcessor:
         if layout.primer_len:
             # A later chunk's KV sits after S + P: its positions must exist for the model.
             top = max(layout.chunk_base(i) + len(c) for i, c in enumerate(parsed.chunks))
-            if top > self.max_model_len:
+            if top > self.max_model_len and parsed.chunk_primer:
                 raise ValueError(
                     f"with the chunk primer ({layout.primer_len} tokens) a document's KV is "
                     f"computed at positions up to {top - 1}, past max_model_len="
                     f"{self.max_model_len}: send this prompt with chunk_primer=false")
+            if top > self.max_model_len:  # the engine's default: this prompt goes unprimed
+                layout = PromptLayout.build(len(parsed.system),
+                                            [len(c) for c in parsed.chunks], strategy,
+                                            attention, 0)
         keys, primer_key = (), None
         primer = primed if layout.primer_len else ()
         if self.chunk_keys is not None and parsed.chunks:

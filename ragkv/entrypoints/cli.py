@@ -161,7 +161,7 @@ def add_engine_args(parser: argparse.ArgumentParser,
                              "chunk tokens (unset: the profile's, else 0)")
     parser.add_argument("--chunk-primer", default=None,
                         help="documents after the first computed after S and this passage: "
-                             "default (the built-in one), none, or the text (unset: profile's)")
+                             "default (the built-in one), none, or the text (unset: RAG default's)")
     parser.add_argument("--recompute-profile", default="auto",
                         help="calibrated recompute settings (ragkv calibrate): auto (the "
                              "model's, from the cache or the package), a file, or none")
