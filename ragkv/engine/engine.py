@@ -74,7 +74,6 @@ class Engine:
         given_layers, given_primer = config.recompute_check_layers, config.chunk_primer
         config, self.recompute_profile, self.recompute_source = resolve_recompute(
             config, checkpoint.fingerprint, mc.rope.get("rope_type") == "dynamic")
-        self.config = config
         self.device = resolve_device(config)
         packed = use_packed(config, checkpoint, self.device)
         self.dtype = resolve_dtype(config, self.device, checkpoint.torch_dtype)

@@ -90,18 +90,18 @@ class InputProcessor:
         self.rules = PromptRules(model_config.vocab_size, config.chunk_separator,
                                  config.max_chunk_tokens, config.oversize_chunk, max_chars)
         self.primer = primer_tokens(tokenizer, config.chunk_primer)
-        if len(self.primer) > config.max_num_batched_tokens and not primer_given:
+        if len(self.primer) > config.max_num_batched_tokens:  # P is computed in one step
+            if primer_given:
+                raise ValueError(f"chunk_primer has {len(self.primer)} tokens, more than "
+                                 f"max_num_batched_tokens={config.max_num_batched_tokens} (it "
+                                 "is computed in one step): raise max_num_batched_tokens, give "
+                                 "a shorter chunk_primer, or set chunk_primer='none'")
             # A profile's or the model-agnostic default's primer: the user asked for none.
             logger.warning("the chunk primer (%d tokens) does not fit max_num_batched_tokens="
                            "%d (it is computed in one step): documents are computed without it",
                            len(self.primer), config.max_num_batched_tokens)
             self.config = config = replace(config, chunk_primer="none")
             self.primer = ()
-        if len(self.primer) > config.max_num_batched_tokens:  # P is computed in one step
-            raise ValueError(f"chunk_primer has {len(self.primer)} tokens, more than "
-                             f"max_num_batched_tokens={config.max_num_batched_tokens} (it is "
-                             "computed in one step): raise max_num_batched_tokens, give a "
-                             "shorter chunk_primer, or set chunk_primer='none'")
         self._rng = random.Random(config.seed)
         self._counter = 0
         # The engine's own defaults must be possible on this model.
@@ -241,12 +241,13 @@ class InputProcessor:
         if layout.primer_len:
             # A later chunk's KV sits after S + P: its positions must exist for the model.
             top = max(layout.chunk_base(i) + len(c) for i, c in enumerate(parsed.chunks))
-            if top > self.max_model_len and parsed.chunk_primer:
-                raise ValueError(
-                    f"with the chunk primer ({layout.primer_len} tokens) a document's KV is "
-                    f"computed at positions up to {top - 1}, past max_model_len="
-                    f"{self.max_model_len}: send this prompt with chunk_primer=false")
-            if top > self.max_model_len:  # the engine's default: this prompt goes unprimed
+            if top > self.max_model_len:
+                if parsed.chunk_primer:
+                    raise ValueError(
+                        f"with the chunk primer ({layout.primer_len} tokens) a document's KV "
+                        f"is computed at positions up to {top - 1}, past max_model_len="
+                        f"{self.max_model_len}: send this prompt with chunk_primer=false")
+                # The engine's primer, not the request's: this prompt goes unprimed.
                 layout = PromptLayout.build(len(parsed.system),
                                             [len(c) for c in parsed.chunks], strategy,
                                             attention, 0)
