@@ -149,9 +149,9 @@ def test_recompute_ends_match_their_references(llm, hf):
 
 
 def test_the_shipped_profile_is_the_default_and_warm_equals_cold(tmp_path, monkeypatch):
-    """The package ships Gemma 3 270M's calibration profile: an engine built with no layout
-    or recompute settings uses it, and its warm answer over cached documents equals its cold
-    one token for token."""
+    """The package ships Gemma 3 270M's calibration profile (with the built-in chunk primer):
+    an engine built with no layout or recompute settings uses it, and its warm answer over
+    cached documents equals its cold one token for token."""
     from ragkv.recompute.profile import SHIPPED, profile_name, read_profile
 
     monkeypatch.setenv("RAGKV_PROFILE_DIR", str(tmp_path))
@@ -162,6 +162,7 @@ def test_the_shipped_profile_is_the_default_and_warm_equals_cold(tmp_path, monke
     assert profile.data["model"] == MODEL and profile.data["calibration"]["questions"] >= 60
     assert default.engine.recompute_profile.path == str(shipped)
     assert default.engine.config.position_strategy == "sequential"
+    assert default.engine.config.chunk_primer == "default" and default.engine.inputs.primer
     system = default.engine.tokenizer("Answer from the documents.\n")["input_ids"]
     docs = [document(default, "The Zorbian council meets in the copper hall of Veltra.", 6),
             document(default, "Veltra's copper hall was built by Amsel Roch in 1821.", 7)]
