@@ -242,8 +242,9 @@ def test_packed_weights_close_to_dequantized(family, gguf_file, checkpoint):
 
 
 def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
-    """Chunk reuse on packed weights: the warm answer (chunks from the cache, the question a
-    small step on the kernel) equals the cold one (one large step, the dequantized path)."""
+    """Exact chunk reuse on packed weights: the warm answer (chunks from the cache, the
+    question a small step) equals the cold one (one large step): the question's rows take
+    the dequantized path in both, as the rows of a prompt longer than KERNEL_MAX_ROWS."""
     path = gguf_file("qwen2")
     llm = LLM(path, tokenizer=checkpoint("qwen2"), quantization="gguf",
               position_strategy="shared", chunk_attention="isolated", recompute="none")
@@ -257,6 +258,40 @@ def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
     warm = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
     assert warm.metrics.num_chunk_hits == 3
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    llm.check_integrity()
+
+
+@pytest.mark.parametrize("ratio,on_kernel", [(0.1, True), (1.0, False)])
+def test_a_recomputing_requests_few_rows_after_its_probe_run_the_kernel(
+        gguf_file, checkpoint, monkeypatch, ratio, on_kernel):
+    """After its probe a warm recomputing request computes only its recomputed chunk tokens
+    and its question: at most KERNEL_MAX_ROWS of them run on the kernel (no layer is
+    dequantized for them), more take the dense path; the chunks a cold request computes
+    take the dense path either way, so the cache holds the same KV whoever computed it."""
+    path = gguf_file("llama")
+    dense_rows = []
+    dense = Int4Linear._dense
+    monkeypatch.setattr(Int4Linear, "_dense",
+                        lambda self, x: dense_rows.append(x.shape[0]) or dense(self, x))
+    llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf",
+              position_strategy="sequential", chunk_attention="isolated", recompute="query",
+              recompute_ratio=ratio, chunk_primer="none")
+    system = random_prompt(9, seed=1)
+    chunks = [random_prompt(n, seed=30 + n) for n in (90, 73, 55)]
+    question = random_prompt(6, seed=2)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    layers = 4 * llm.engine.model_config.num_layers  # qkv, o, gate_up, down per block
+    cold = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
+    recomputed = cold.metrics.num_recomputed_tokens
+    assert (recomputed + len(question) <= KERNEL_MAX_ROWS) == on_kernel
+    # S and the chunks, computed cold, are dense rows whatever the ratio.
+    after = 0 if on_kernel else recomputed + len(question)
+    assert sum(dense_rows) == layers * (len(system) + 90 + 73 + 55 + after)
+    dense_rows.clear()
+    warm = llm.generate(RAGPrompt(system, chunks[::-1], question), params, use_tqdm=False)[0]
+    assert warm.metrics.num_chunk_hits == 3
+    assert sum(dense_rows) == layers * (0 if on_kernel
+                                        else warm.metrics.num_recomputed_tokens + 6)
     llm.check_integrity()
 
 

@@ -57,6 +57,20 @@ class SeqWork:
         return self.request.num_prompt_tokens
 
     @property
+    def prompt_rows(self) -> int:
+        """The prompt rows the request computes where this work's tokens are (packed weights
+        run a few rows on the int4 kernel: model/runner.py): once a recomputing request's
+        probe chose its tokens, what follows is those tokens and the question, all it
+        computes of its prompt after the reused chunks; else the whole prompt (the chunks it
+        computes are cache entries other requests read, computed as a cold prefill
+        computes them)."""
+        req = self.request
+        if req.selected is not None and (self.query_index is not None
+                                         or self.start >= req.layout.question_start):
+            return len(req.selected) + req.num_prompt_tokens - req.layout.question_start
+        return req.num_prompt_tokens
+
+    @property
     def num_kv(self) -> int:
         return sum(b - a for a, b in self.kv_spans) + len(self.primer)
 

@@ -197,7 +197,7 @@ class CompiledDecode:
             if (len(spans) != 1 or spans[0][0] != 0 or not w.sample
                     or w.end - w.logits_from != q or q > 1 and w.end - q < w.prompt_len
                     or w.query_index is not None or w.key_positions is not None
-                    or packed and not takes_kernel(w.end - q, w.prompt_len)):
+                    or packed and not takes_kernel(w.end - q, w.prompt_len, w.prompt_rows)):
                 return False
         return bool(works)
 

@@ -121,6 +121,7 @@ class _SentWork:
     query_index: tuple[int, ...] | None
     key_positions: list[int] | None
     prompt_len: int
+    prompt_rows: int
     damped: tuple
     damping: float
     primer: tuple[int, ...]
@@ -129,8 +130,8 @@ class _SentWork:
 def _sent(work) -> _SentWork:
     return _SentWork(SeqKV(row=work.kv.row), work.token_ids, work.positions, work.kv_spans,
                      work.sample, work.end, work.logits_from, work.turns, work.query_index,
-                     work.key_positions, work.prompt_len, work.damped, work.damping,
-                     work.primer)
+                     work.key_positions, work.prompt_len, work.prompt_rows, work.damped,
+                     work.damping, work.primer)
 
 
 class ShardedPool:

@@ -53,6 +53,10 @@ class Work(Protocol):
     query_index: tuple[int, ...] | None
     key_positions: list[int] | None
     prompt_len: int  # the request's prompt tokens
+    # The prompt rows the request computes where this work's tokens are: its prompt, or,
+    # once a recomputing request's probe chose its tokens, those tokens and its question
+    # (packed weights run a few rows on the int4 kernel: quantized_linear.takes_kernel).
+    prompt_rows: int
     # (start, end) ranges of the KV list the new tokens read with their attention logits
     # lowered by `damping` (stale chunk tokens); () for none.
     damped: tuple[tuple[int, int], ...]
@@ -177,10 +181,12 @@ class ModelRunner:
             # Packed weights route rows by kind (quantized_linear.RowRoute): the dense path's
             # rows first, then the kernel's: generated tokens (works after the prompt:
             # decode, drafts) and every row of a prompt short enough for the kernel to be
-            # the faster (a chat turn: 3x on a 32-token prompt where bfloat16 is native).
+            # the faster (a chat turn: 3x on a 32-token prompt where bfloat16 is native), or
+            # of the few rows a warm recomputing request computes after its probe.
             # Either way a token's path depends on its request, never on the step. The
             # logits still come back in the works' order.
-            kernel = [takes_kernel(w.end - len(w.token_ids), w.prompt_len) for w in works]
+            kernel = [takes_kernel(w.end - len(w.token_ids), w.prompt_len, w.prompt_rows)
+                      for w in works]
             order.sort(key=kernel.__getitem__)
             prompt_rows = sum(len(w.token_ids) for w, k in zip(works, kernel, strict=True)
                               if not k)
