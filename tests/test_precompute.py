@@ -37,7 +37,7 @@ def precompute(model: str, corpus: str, store: str, *args: str) -> subprocess.Co
     # Without a primer unless a test gives one (the quality mode's default primer would store
     # each document twice: test_precompute_with_a_chunk_primer_stores_both_copies).
     if "--chunk-primer" not in args:
-        args = (*args, "--chunk-primer", "none")
+        args = (*args, *NO_PRIMER)
     return subprocess.run(
         [sys.executable, "-m", "ragkv", "precompute", "--model", model, "--documents",
          corpus, "--system", SYSTEM, "--store", store, "--no-progress", "--batch-size", "3",

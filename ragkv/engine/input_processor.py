@@ -236,8 +236,8 @@ class InputProcessor:
             raise ValueError(f"chunk_primer=true applies to sequential positions with isolated "
                              f"chunks, not position_strategy={strategy!r} with "
                              f"chunk_attention={attention!r}")
-        layout = PromptLayout.build(len(parsed.system), [len(c) for c in parsed.chunks],
-                                    strategy, attention, len(primed))
+        sizes = [len(c) for c in parsed.chunks]
+        layout = PromptLayout.build(len(parsed.system), sizes, strategy, attention, len(primed))
         if layout.primer_len:
             # A later chunk's KV sits after S + P: its positions must exist for the model.
             top = max(layout.chunk_base(i) + len(c) for i, c in enumerate(parsed.chunks))
@@ -248,9 +248,7 @@ class InputProcessor:
                         f"is computed at positions up to {top - 1}, past max_model_len="
                         f"{self.max_model_len}: send this prompt with chunk_primer=false")
                 # The engine's primer, not the request's: this prompt goes unprimed.
-                layout = PromptLayout.build(len(parsed.system),
-                                            [len(c) for c in parsed.chunks], strategy,
-                                            attention, 0)
+                layout = PromptLayout.build(len(parsed.system), sizes, strategy, attention, 0)
         keys, primer_key = (), None
         primer = primed if layout.primer_len else ()
         if self.chunk_keys is not None and parsed.chunks:

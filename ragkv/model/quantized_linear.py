@@ -73,17 +73,16 @@ def prompt_dtype() -> torch.dtype:
     return _prompt_dtype
 
 
-def takes_kernel(start: int, prompt_len: int, prompt_rows: int | None = None) -> bool:
+def takes_kernel(start: int, prompt_len: int, prompt_rows: int) -> bool:
     """Whether the rows of a work whose first new token is token `start` of its request take
     the int4 kernel: generated tokens (decode, drafts), and every row of a prompt short
     enough for the kernel to be the faster; the other prompt rows take the dense path.
-    `prompt_rows` (default: `prompt_len`): the prompt rows the request computes where the
-    work's tokens are. A warm recomputing request computes only its recomputed chunk tokens
-    and its question after its probe, a step of a few dozen rows that would otherwise pay
-    for dequantizing every layer (1.5x the kernel's time for 80 rows of SmolLM2). A token's
-    path thus depends on its request, never on the step."""
-    rows = prompt_len if prompt_rows is None else prompt_rows
-    return start >= prompt_len or rows <= KERNEL_MAX_ROWS
+    `prompt_rows`: the prompt rows the request computes where the work's tokens are (its
+    prompt length, or fewer: `SeqWork.prompt_rows`). A warm recomputing request computes
+    only its recomputed chunk tokens and its question after its probe, a step of a few dozen
+    rows that would otherwise pay for dequantizing every layer (1.5x the kernel's time for
+    80 rows of SmolLM2). A token's path thus depends on its request, never on the step."""
+    return start >= prompt_len or prompt_rows <= KERNEL_MAX_ROWS
 
 
 def pin_prompt_dtype(dtype: torch.dtype) -> None:
