@@ -3,8 +3,9 @@ side in one run: batch-1 greedy decode tokens/s (ragkv with packed 4-bit weights
 dequantized float32 weights, llama.cpp through llama-cpp-python; --threads CPU threads each);
 time to first token of a RAG prompt (system + 6 eval-suite documents + question, chat-rendered)
 whose documents come in a new order on every request: ragkv cold, ragkv warm (chunk KV reused,
-the engine's default RAG mode), ragkv with its caches off (full prefill) and llama.cpp (reset
-before every request: a new order leaves it nothing past the system prompt to reuse anyway);
+in the engine's default RAG mode and with exact chunk reuse), ragkv with its caches off (full
+prefill) and llama.cpp (reset before every request: a new order leaves it nothing past the
+system prompt to reuse anyway);
 and the weight bytes each ragkv engine holds against the GGUF file's size, with the process
 RSS growth of loading each engine (and its first decode). llama.cpp gets the very token ids
 ragkv's chat rendering gives, and is driven through `Llama.generate` (the token loop under
@@ -35,6 +36,7 @@ import time
 
 MODEL = "smollm2-135m-instruct"
 COMPILED = "ragkv packed 4-bit, compiled decode"
+EXACT = "ragkv packed 4-bit, exact chunk reuse"
 STORY = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 
 
@@ -338,12 +340,15 @@ def main() -> None:
 
     orders = [new_order() for _ in range(reps + 1)]
     kinds = [(name, kwargs) for name, kwargs in specs if kwargs is not None]
+    # Exact chunk reuse (no recompute, no primer): TTFT only, beside the default mode.
+    exact_kwargs = dict(quantization="gguf", recompute="none", chunk_primer="none")
+    kinds.insert(1, (EXACT, exact_kwargs))
     print(f"TTFT, RAG prompt (system + {len(docs)} documents + question, documents in a new "
           "order each time), wall time of generate(max_tokens=1); full prefill: the same "
           "tokens as one plain prompt, caches off:")
     warm_of, prompts = {}, []
     for name, kwargs in kinds:
-        llm = engines[name]
+        llm = engines[name] = engines.get(name) or LLM(**common, **kwargs)
         eager = {k: v for k, v in kwargs.items() if k != "enable_torch_compile"}  # a prefill
         full = LLM(**common, **eager, enable_chunk_cache=False, enable_prefix_caching=False)
         ttft(llm, others)  # warm-up, other documents: the target documents stay uncached
@@ -380,6 +385,8 @@ def main() -> None:
     print(f"\nweights held vs the GGUF file ({file_bytes / 2**20:.1f} MiB); RSS growth of "
           "load + first decode (llama.cpp maps the file: its pages count once touched):")
     for name in engines:
+        if name == EXACT:  # the packed engine's weights again
+            continue
         if name == "llama.cpp":
             print(f"  {name:<26} {'':>38} RSS +{rss[name]:6.0f} MiB")
             continue
@@ -396,6 +403,8 @@ def main() -> None:
         print(f"  decode packed, compiled / llama.cpp          "
               f"{rates[COMPILED] / rates['llama.cpp']:6.2f} x")
     print(f"  TTFT llama.cpp / ragkv warm (reordered)      {lc_ttft}")
+    if llama_t is not None:
+        print(f"  TTFT llama.cpp / ragkv warm, exact reuse     {llama_t / warm_of[EXACT]:6.2f} x")
     print(f"  weights held / GGUF file                     "
           f"{packed.engine.weights.weight_bytes / file_bytes:6.2f} x")
     for llm in engines.values():

@@ -241,22 +241,35 @@ def test_packed_weights_close_to_dequantized(family, gguf_file, checkpoint):
     packed.check_integrity()
 
 
-def test_packed_rag_warm_equals_cold(gguf_file, checkpoint):
+@pytest.mark.parametrize("question_len", [6, KERNEL_MAX_ROWS + 1])
+def test_packed_rag_warm_equals_cold(gguf_file, checkpoint, monkeypatch, question_len):
     """Exact chunk reuse on packed weights: the warm answer (chunks from the cache, the
-    question a small step) equals the cold one (one large step): the question's rows take
-    the dequantized path in both, as the rows of a prompt longer than KERNEL_MAX_ROWS."""
+    question a small step) equals the cold one (one large step). The question's rows take
+    the same path in both: the kernel when the question has at most KERNEL_MAX_ROWS tokens
+    (all the request computes of its prompt after the chunks), else the dequantized path; S
+    and the chunks a cold request computes take the dequantized path."""
     path = gguf_file("qwen2")
+    dense_rows = []
+    dense = Int4Linear._dense
+    monkeypatch.setattr(Int4Linear, "_dense",
+                        lambda self, x: dense_rows.append(x.shape[0]) or dense(self, x))
     llm = LLM(path, tokenizer=checkpoint("qwen2"), quantization="gguf",
               position_strategy="shared", chunk_attention="isolated", recompute="none")
+    layers = 4 * llm.engine.model_config.num_layers  # qkv, o, gate_up, down per block
     system = random_prompt(9, seed=1)
     chunks = [random_prompt(n, seed=30 + n) for n in (90, 73, 55)]
-    assert KERNEL_MAX_ROWS < 9 + 90 + 73 + 55 + 6
-    question = random_prompt(6, seed=2)
+    assert KERNEL_MAX_ROWS < 9 + 90 + 73 + 55
+    question = random_prompt(question_len, seed=2)
+    on_kernel = question_len <= KERNEL_MAX_ROWS
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     cold = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
     assert cold.metrics.num_chunk_misses == 3
+    asked = 0 if on_kernel else question_len
+    assert sum(dense_rows) == layers * (9 + 90 + 73 + 55 + asked)
+    dense_rows.clear()
     warm = llm.generate(RAGPrompt(system, chunks, question), params, use_tqdm=False)[0]
     assert warm.metrics.num_chunk_hits == 3
+    assert sum(dense_rows) == layers * asked  # S from the prefix cache
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     llm.check_integrity()
 

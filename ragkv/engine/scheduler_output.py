@@ -59,15 +59,18 @@ class SeqWork:
     @property
     def prompt_rows(self) -> int:
         """The prompt rows the request computes where this work's tokens are (packed weights
-        run a few rows on the int4 kernel: model/runner.py): once a recomputing request's
-        probe chose its tokens, what follows is those tokens and the question, all it
-        computes of its prompt after the reused chunks; else the whole prompt (the chunks it
-        computes are cache entries other requests read, computed as a cold prefill
-        computes them)."""
+        run a few rows on the int4 kernel: model/runner.py). A RAG request's question, and
+        once a recomputing request's probe chose its tokens those tokens too, is all it
+        computes of its prompt after the chunks, cold or warm: its own rows. Anything before
+        (S, the chunks: cache entries other requests read) counts the whole prompt, so it is
+        computed as a cold prefill of the same prompt computes it."""
         req = self.request
+        question = req.num_prompt_tokens - req.layout.question_start
         if req.selected is not None and (self.query_index is not None
                                          or self.start >= req.layout.question_start):
-            return len(req.selected) + req.num_prompt_tokens - req.layout.question_start
+            return len(req.selected) + question
+        if req.layout.is_rag and self.start >= req.layout.question_start:
+            return question
         return req.num_prompt_tokens
 
     @property

@@ -78,10 +78,11 @@ def takes_kernel(start: int, prompt_len: int, prompt_rows: int) -> bool:
     the int4 kernel: generated tokens (decode, drafts), and every row of a prompt short
     enough for the kernel to be the faster; the other prompt rows take the dense path.
     `prompt_rows`: the prompt rows the request computes where the work's tokens are (its
-    prompt length, or fewer: `SeqWork.prompt_rows`). A warm recomputing request computes
-    only its recomputed chunk tokens and its question after its probe, a step of a few dozen
-    rows that would otherwise pay for dequantizing every layer (1.5x the kernel's time for
-    80 rows of SmolLM2). A token's path thus depends on its request, never on the step."""
+    prompt length, or fewer: `SeqWork.prompt_rows`). After its chunks a warm RAG request
+    computes only its question (and its recomputed chunk tokens), a step of a few dozen rows
+    that would otherwise pay for dequantizing every layer (1.5x the kernel's time for 80
+    rows of SmolLM2, 2.4x for a 26-token question). A token's path thus depends on its
+    request, never on the step."""
     return start >= prompt_len or prompt_rows <= KERNEL_MAX_ROWS
 
 

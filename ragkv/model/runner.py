@@ -54,7 +54,7 @@ class Work(Protocol):
     key_positions: list[int] | None
     prompt_len: int  # the request's prompt tokens
     # The prompt rows the request computes where this work's tokens are: its prompt, or,
-    # once a recomputing request's probe chose its tokens, those tokens and its question
+    # after a RAG request's chunks, its question (and the tokens its probe chose, if any)
     # (packed weights run a few rows on the int4 kernel: quantized_linear.takes_kernel).
     prompt_rows: int
     # (start, end) ranges of the KV list the new tokens read with their attention logits
@@ -182,7 +182,8 @@ class ModelRunner:
             # rows first, then the kernel's: generated tokens (works after the prompt:
             # decode, drafts) and every row of a prompt short enough for the kernel to be
             # the faster (a chat turn: 3x on a 32-token prompt where bfloat16 is native), or
-            # of the few rows a warm recomputing request computes after its probe.
+            # of the few rows a RAG request computes after its chunks (its question, and the
+            # tokens a recomputing request's probe chose).
             # Either way a token's path depends on its request, never on the step. The
             # logits still come back in the works' order.
             kernel = [takes_kernel(w.end - len(w.token_ids), w.prompt_len, w.prompt_rows)

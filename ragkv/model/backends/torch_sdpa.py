@@ -297,8 +297,13 @@ def offset_mask(visible: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return offsets.expand(visible.shape).masked_fill(~visible, float("-inf"))
 
 
-# From this many queries on, a sequence with turns turns its keys instead of its queries.
+# A sequence with turns turns its keys instead of its queries from this many queries on, or
+# from one query per this many of its entries if that comes first. Turning the queries costs a
+# score matmul per turned range, turning the keys a rotation of every entry and a masked SDPA
+# call, so the crossover grows with the entries: on a 2-core AVX-512 CPU (7 turns) near 12
+# queries over 580 entries, 20 over 1,100 and 56 over 2,144 (docs/benchmarks.md).
 _TURN_KEYS_FROM = 64
+_ENTRIES_PER_QUERY = 40
 
 
 def attend_turned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -309,7 +314,8 @@ def attend_turned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     it has many queries), written into its rows of `out`."""
     qs, ql = batch.q_starts[i], batch.q_lens[i]
     turns = batch.turns[i] if batch.turned(i) else ()
-    attend = turned_keys_attention if ql >= _TURN_KEYS_FROM else turned_attention
+    keys_first = ql >= min(_TURN_KEYS_FROM, index.shape[0] / _ENTRIES_PER_QUERY)
+    attend = turned_keys_attention if keys_first else turned_attention
     out[qs:qs + ql] = attend(
         q[qs:qs + ql], k_cache.index_select(0, index), v_cache.index_select(0, index),
         turns, batch.turn_table, scale, mask, offsets)
