@@ -45,6 +45,16 @@ def prompt_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def dense_rows(monkeypatch):
+    """The row counts of every dequantized-path matmul of packed layers, in call order."""
+    rows = []
+    dense = Int4Linear._dense
+    monkeypatch.setattr(Int4Linear, "_dense",
+                        lambda self, x: rows.append(x.shape[0]) or dense(self, x))
+    return rows
+
+
 PACKABLE = [t.name for i, t in SUPPORTED_TENSOR_TYPES.items() if packed_planes(i)]
 BF16_EPS = 2.0 ** -8  # bfloat16's relative rounding error is at most half of this
 
@@ -242,17 +252,13 @@ def test_packed_weights_close_to_dequantized(family, gguf_file, checkpoint):
 
 
 @pytest.mark.parametrize("question_len", [6, KERNEL_MAX_ROWS + 1])
-def test_packed_rag_warm_equals_cold(gguf_file, checkpoint, monkeypatch, question_len):
+def test_packed_rag_warm_equals_cold(gguf_file, checkpoint, dense_rows, question_len):
     """Exact chunk reuse on packed weights: the warm answer (chunks from the cache, the
     question a small step) equals the cold one (one large step). The question's rows take
     the same path in both: the kernel when the question has at most KERNEL_MAX_ROWS tokens
     (all the request computes of its prompt after the chunks), else the dequantized path; S
     and the chunks a cold request computes take the dequantized path."""
     path = gguf_file("qwen2")
-    dense_rows = []
-    dense = Int4Linear._dense
-    monkeypatch.setattr(Int4Linear, "_dense",
-                        lambda self, x: dense_rows.append(x.shape[0]) or dense(self, x))
     llm = LLM(path, tokenizer=checkpoint("qwen2"), quantization="gguf",
               position_strategy="shared", chunk_attention="isolated", recompute="none")
     layers = 4 * llm.engine.model_config.num_layers  # qkv, o, gate_up, down per block
@@ -276,16 +282,12 @@ def test_packed_rag_warm_equals_cold(gguf_file, checkpoint, monkeypatch, questio
 
 @pytest.mark.parametrize("ratio,on_kernel", [(0.1, True), (1.0, False)])
 def test_a_recomputing_requests_few_rows_after_its_probe_run_the_kernel(
-        gguf_file, checkpoint, monkeypatch, ratio, on_kernel):
+        gguf_file, checkpoint, dense_rows, ratio, on_kernel):
     """After its probe a warm recomputing request computes only its recomputed chunk tokens
     and its question: at most KERNEL_MAX_ROWS of them run on the kernel (no layer is
     dequantized for them), more take the dense path; the chunks a cold request computes
     take the dense path either way, so the cache holds the same KV whoever computed it."""
     path = gguf_file("llama")
-    dense_rows = []
-    dense = Int4Linear._dense
-    monkeypatch.setattr(Int4Linear, "_dense",
-                        lambda self, x: dense_rows.append(x.shape[0]) or dense(self, x))
     llm = LLM(path, tokenizer=checkpoint("llama"), quantization="gguf",
               position_strategy="sequential", chunk_attention="isolated", recompute="query",
               recompute_ratio=ratio, chunk_primer="none")
@@ -326,15 +328,11 @@ def test_packed_batch_with_prompts_and_decodes(gguf_file, checkpoint):
 
 
 def test_a_short_prompt_runs_the_kernel_and_a_long_one_the_dense_path(gguf_file, checkpoint,
-                                                                       monkeypatch):
+                                                                       dense_rows):
     """A prompt of at most KERNEL_MAX_ROWS tokens runs every row on the kernel, as generated
     tokens do, in whatever steps it is split; a longer one's prompt rows take the dense path
     in every step. So a short prompt computes the same token for token chunked or whole."""
     path = gguf_file("llama")
-    dense_rows = []
-    dense = Int4Linear._dense
-    monkeypatch.setattr(Int4Linear, "_dense",
-                        lambda self, x: dense_rows.append(x.shape[0]) or dense(self, x))
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, ignore_eos=True)
     short = {"prompt_token_ids": random_prompt(KERNEL_MAX_ROWS, seed=5)}
     long = {"prompt_token_ids": random_prompt(KERNEL_MAX_ROWS + 1, seed=6)}
