@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.kv_pool import KVPool
+from ..host_ints import int64_tensor
 from .backends.base import AttentionMetadata, causal_mask
 from .layers import apply_rotary
 from .llama import CausalLM
@@ -124,22 +125,23 @@ class _ReadOnlyAttention:
 
 
 def _run(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
-         attention: _ReadOnlyAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+         attention: _ReadOnlyAttention) -> tuple[torch.Tensor, torch.Tensor]:
     rows = torch.arange(ids.shape[0], device=ids.device)
     logits = model.forward(ids, positions, rows, pool, _META, attention, prompt_rows=0)
-    return logits, torch.stack(attention.keys), torch.stack(attention.values)
+    # As the pool holds them: [2, layers, T, kv_heads, d], one copy writes both.
+    return logits, torch.stack((torch.stack(attention.keys), torch.stack(attention.values)))
 
 
 def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
-          *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+          *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits [T, vocab] of the step's T rows (a sequence's new token, or its last token and
-    drafts), and the new keys and values [layers, T, kv_heads, d] to write; `inputs`:
+    drafts), and the new keys and values [2, layers, T, kv_heads, d] to write; `inputs`:
     decode_attention's."""
     return _run(model, pool, ids, positions, _ReadOnlyAttention(decode_attention, inputs))
 
 
 def _verify_step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
-                 *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same for one sequence's last token and drafts; `inputs`: verify_attention's."""
     return _run(model, pool, ids, positions, _ReadOnlyAttention(verify_attention, inputs))
 
@@ -159,6 +161,7 @@ class CompiledDecode:
         self.model, self.pool, self.slot_table = model, pool, slot_table
         self.head_dim = pool.k.shape[-1]
         self._turns: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._constants: dict = {}  # inputs that only depend on the batch's shape
         # Only the batch, the cached length and the number of turns vary (marked in
         # `warmup`): the weights' and the pool's shapes stay constants of the generated code.
         # This engine's own graphs: by default every torch.compile of one function shares
@@ -205,33 +208,36 @@ class CompiledDecode:
         """Logits [rows, vocab] of the works' rows in order; their K/V written to the pool."""
         lens = [w.kv_spans[0][1] for w in works]  # each sequence's KV list, new tokens too
         per = [len(w.token_ids) for w in works]
-        cached = torch.tensor([n - q for n, q in zip(lens, per, strict=True)])
-        rows = torch.tensor([w.kv.row for w in works])
-        ids = torch.tensor([t for w in works for t in w.token_ids])
-        positions = torch.tensor([p for w in works for p in w.positions])
+        cached = [n - q for n, q in zip(lens, per, strict=True)]
+        ids = int64_tensor([t for w in works for t in w.token_ids])
+        positions = int64_tensor([p for w in works for p in w.positions])
         # One sequence with drafts: the verifying graph (keys turned forward); else the
         # decode graph (queries turned back), for plain decode rows and batches with drafts.
         verify = self.verify is not None and len(works) == 1 and per[0] > 1
         # The cached keys before the new tokens, at least 2 columns, and at least one turn
         # besides "none" (as compiled: `warmup`).
-        width = max(2, int(cached.max()))
+        width = max(2, *cached)
         turns = max(2, 1 + max(len(w.turns) for w in works))
-        table = self.slot_table.table
-        index = table[rows, :width].long()
-        seen = torch.arange(width)[None, :] < cached[:, None]
-        bias = torch.zeros(seen.shape, dtype=torch.float32)
-        bias.masked_fill_(~seen, float("-inf"))
-        index.masked_fill_(~seen, 0)  # slot 0: zeros (KVPool), never NaN
+        rows = int64_tensor([w.kv.row for w in works])
+        index = self.slot_table.table[rows, :width].long()
+        bias = torch.zeros(len(works), width)
+        if min(cached) < width:  # a shorter sequence's padding
+            seen = torch.arange(width)[None, :] < torch.tensor(cached)[:, None]
+            bias.masked_fill_(~seen, float("-inf"))
+            index.masked_fill_(~seen, 0)  # slot 0: zeros (KVPool), never NaN
         segment = torch.zeros(len(works), width, dtype=torch.long)
-        cos = torch.ones(len(works), turns, self.head_dim)
-        sin = torch.zeros(len(works), turns, self.head_dim)
-        for i, w in enumerate(works):
-            for j, (start, end, delta) in enumerate(w.turns, 1):
-                segment[i, start:end] = j
-                turn = self._turn(delta)  # cos, then sin turning keys forward or queries back
-                cos[i, j], sin[i, j] = turn[0], turn[1 if verify else 2]
+        cos, sin = self._no_turns(len(works), turns)
+        if any(w.turns for w in works):
+            cos, sin = cos.clone(), sin.clone()
+            for i, w in enumerate(works):
+                for j, (start, end, delta) in enumerate(w.turns, 1):
+                    segment[i, start:end] = j
+                    turn = self._turn(delta)  # cos, then sin turning keys forward or back
+                    cos[i, j], sin[i, j] = turn[0], turn[1 if verify else 2]
         if verify:
             step, inputs = self.verify, (index, bias, segment, cos, sin)
+        elif len(ids) == len(works):  # one row per sequence: its own new key alone
+            step, inputs = self.step, (index, bias, segment, cos, sin, self._diagonal(len(ids)))
         else:
             # Row i reads row j's new key where both are of one sequence and j <= i.
             of = torch.repeat_interleave(torch.arange(len(works)), torch.tensor(per))
@@ -245,12 +251,26 @@ class CompiledDecode:
         # only those that tell the graphs apart run. The rest cannot fail between steps:
         # the same model, pool and (inference-mode) input kinds every time.
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            logits, keys, values = step(self.model, self.pool, ids, positions, *inputs)
-        slots = torch.cat([table[r, c:n] for r, c, n in zip(rows.tolist(), cached.tolist(),
-                                                            lens, strict=True)]).long()
-        self.pool.k.index_copy_(1, slots, keys)
-        self.pool.v.index_copy_(1, slots, values)
+            logits, kv = step(self.model, self.pool, ids, positions, *inputs)
+        # The slots from the host's lists: a step's host work costs ~10 us a torch op here.
+        slots = int64_tensor([s for w in works for s in w.kv.slots[w.end - len(w.token_ids):w.end]])
+        self.pool.kv.index_copy_(2, slots, kv)
         return logits
+
+    def _no_turns(self, batch: int, turns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos 1, sin 0 [batch, turns, d]: no row turned (kept; the graph only reads them)."""
+        key = (batch, turns)
+        if key not in self._constants:
+            self._constants[key] = (torch.ones(batch, turns, self.head_dim),
+                                    torch.zeros(batch, turns, self.head_dim))
+        return self._constants[key]
+
+    def _diagonal(self, rows: int) -> torch.Tensor:
+        """new_bias of a step of one row per sequence: each row sees its own new key."""
+        if rows not in self._constants:
+            bias = torch.full((rows, rows), float("-inf"))
+            self._constants[rows] = bias.fill_diagonal_(0.0)
+        return self._constants[rows]
 
     def _turn(self, delta: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin turning a key forward by `delta`, and sin turning a query back, [d] each
@@ -301,8 +321,11 @@ class CompiledDecode:
             try:
                 # Freezing: the weights become constants of the compiled code, not inputs
                 # handed through its wrapper every step (0.7 ms of a 7 ms SmolLM2 step).
+                # No size, stride and alignment checks of each kernel's output at every
+                # step (debugging aids of the generated wrapper): 3% of a SmolLM2 step.
                 with (torch.fx.experimental._config.patch(use_duck_shape=False),
-                      inductor_config.patch(freezing=True)):
+                      inductor_config.patch(freezing=True, size_asserts=False,
+                                            scalar_asserts=False, alignment_asserts=False)):
                     step(self.model, self.pool, ids, positions, *inputs)
             except Exception as e:
                 raise RuntimeError(f"enable_torch_compile: compiling the decode step failed: "
