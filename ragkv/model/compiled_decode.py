@@ -161,7 +161,10 @@ class CompiledDecode:
         self.model, self.pool, self.slot_table = model, pool, slot_table
         self.head_dim = pool.k.shape[-1]
         self._turns: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._constants: dict = {}  # inputs that only depend on the batch's shape
+        # Inputs that depend only on the batch size, kept (the graph only reads them): the
+        # no-turn cos/sin of an unturned batch, the new_bias of one row per sequence.
+        self._unturned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._diagonals: dict[int, torch.Tensor] = {}
         # Only the batch, the cached length and the number of turns vary (marked in
         # `warmup`): the weights' and the pool's shapes stay constants of the generated code.
         # This engine's own graphs: by default every torch.compile of one function shares
@@ -226,9 +229,11 @@ class CompiledDecode:
             bias.masked_fill_(~seen, float("-inf"))
             index.masked_fill_(~seen, 0)  # slot 0: zeros (KVPool), never NaN
         segment = torch.zeros(len(works), width, dtype=torch.long)
-        cos, sin = self._no_turns(len(works), turns)
-        if any(w.turns for w in works):
-            cos, sin = cos.clone(), sin.clone()
+        if not any(w.turns for w in works):  # then turns is 2
+            cos, sin = self._no_turns(len(works))
+        else:
+            cos = torch.ones(len(works), turns, self.head_dim)
+            sin = torch.zeros(len(works), turns, self.head_dim)
             for i, w in enumerate(works):
                 for j, (start, end, delta) in enumerate(w.turns, 1):
                     segment[i, start:end] = j
@@ -257,20 +262,18 @@ class CompiledDecode:
         self.pool.kv.index_copy_(2, slots, kv)
         return logits
 
-    def _no_turns(self, batch: int, turns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos 1, sin 0 [batch, turns, d]: no row turned (kept; the graph only reads them)."""
-        key = (batch, turns)
-        if key not in self._constants:
-            self._constants[key] = (torch.ones(batch, turns, self.head_dim),
-                                    torch.zeros(batch, turns, self.head_dim))
-        return self._constants[key]
+    def _no_turns(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos 1, sin 0 [batch, 2, d]: no row turned (the 2 turns `warmup` compiles for)."""
+        if batch not in self._unturned:
+            self._unturned[batch] = (torch.ones(batch, 2, self.head_dim),
+                                     torch.zeros(batch, 2, self.head_dim))
+        return self._unturned[batch]
 
     def _diagonal(self, rows: int) -> torch.Tensor:
         """new_bias of a step of one row per sequence: each row sees its own new key."""
-        if rows not in self._constants:
-            bias = torch.full((rows, rows), float("-inf"))
-            self._constants[rows] = bias.fill_diagonal_(0.0)
-        return self._constants[rows]
+        if rows not in self._diagonals:
+            self._diagonals[rows] = torch.full((rows, rows), float("-inf")).fill_diagonal_(0.0)
+        return self._diagonals[rows]
 
     def _turn(self, delta: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin turning a key forward by `delta`, and sin turning a query back, [d] each
