@@ -295,6 +295,44 @@ def test_partial_recompute_on_the_triton_backend_equals_the_torch_backend(llama,
             assert abs(lp.logprob - first_want[tid].logprob) < TOL, (tid, lp.logprob)
 
 
+@pytest.mark.parametrize("method", ["sink+blend", "query"])
+def test_question_joined_to_its_recomputed_tokens_equals_them_apart(llama, method,
+                                                                    monkeypatch):
+    """On the torch backend a recomputing request's question and its recomputed tokens are
+    one sequence of the step (runner.join_recomputed): the same tokens and first-token
+    logprobs as the two apart, cold and warm, batched, and the pool whole after."""
+    from ragkv.model import runner
+
+    path, _ = llama
+    S, A, B, C = (random_prompt(n, seed=160 + n) for n in (7, 19, 11, 23))
+    prompts = [[rc(S, [A, B], random_prompt(4, seed=170), method, 0.4),
+                rc(S, [C, A], random_prompt(6, seed=171), method, 0.25)],
+               [rc(S, [B, C, A], random_prompt(5, seed=172), method, 0.5)]]
+    join = runner.join_recomputed
+    joined: list[int] = []
+
+    def counting(works):
+        units = join(works)
+        joined.append(sum(isinstance(w, runner.JoinedWork) for _, w in units))
+        return units
+
+    results = []
+    for spy in (counting, lambda works: list(enumerate(works))):
+        monkeypatch.setattr(runner, "join_recomputed", spy)
+        llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512)
+        outs = [o for batch in prompts for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+        llm.check_integrity()
+        assert all(o.metrics.num_recomputed_tokens > 0 for o in outs)
+        results.append(outs)
+    assert sum(joined) >= len(prompts[0]) + len(prompts[1])  # every request joined once
+    for want, got in zip(*results, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        first_want, first_got = want.outputs[0].logprobs[0], got.outputs[0].logprobs[0]
+        assert first_got.keys() == first_want.keys()
+        for tid, lp in first_got.items():
+            assert abs(lp.logprob - first_want[tid].logprob) < TOL, (tid, lp.logprob)
+
+
 def test_recompute_as_engine_default_and_in_stats(llama):
     path, hf = llama
     llm = make_llm(path, kv_cache_tokens=2048, chunk_cache_tokens=512,

@@ -85,6 +85,74 @@ class ModelOutput:
     probe_scores: list[torch.Tensor | Exception] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class JoinedWork:
+    """A recomputing request's last step as one sequence of the step (`join_recomputed`):
+    its recompute work's tokens, then its question's, over the question's KV list. The
+    fields `Work` has; the logits are the question's."""
+
+    kv: SeqKV
+    token_ids: list[int]
+    positions: list[int]
+    kv_spans: tuple[tuple[int, int], ...]
+    sample: bool
+    end: int
+    logits_from: int
+    turns: tuple[Turn, ...]
+    query_index: tuple[int, ...]
+    key_positions: list[int]
+    prompt_len: int
+    prompt_rows: int
+    damped: tuple[tuple[int, int], ...]
+    damping: float
+    primer: tuple[int, ...] = ()
+
+
+def clip_turns(turns: tuple[Turn, ...], k: int) -> tuple[Turn, ...]:
+    """`turns` as a list of the first k of the same entries has them."""
+    return tuple((a, min(b, k), d) for a, b, d in turns if a < k)
+
+
+def join_recomputed(works: Sequence[Work]) -> list[tuple[int, Work]]:
+    """The step's sequences, each with the index of the work whose logits it returns. A
+    recompute work (the chunk tokens a probe chose, scattered among cached entries; it
+    samples nothing) followed by its request's question over a longer list of the same
+    entries becomes one sequence: the question's queries are the last entries, the
+    recomputed ones sit before them (cached entries may sit between), each seeing the
+    entries up to its own, and the question's turns, cut at the recompute work's list,
+    are the recompute work's. Attention then gathers and turns the list once and attends
+    to both in one call: on the torch backend a separate question paid its own gather and
+    turned its queries per range (docs/benchmarks.md, "One sequence for the recomputed
+    tokens and the question"). Each query's arithmetic is unchanged up to float rounding."""
+    units: list[tuple[int, Work]] = []
+    # By slot-table row, not by object: a tensor-parallel worker gets each work with a
+    # sequence of its own, and must join as rank 0 does.
+    i = 0
+    while i < len(works):
+        r = works[i]
+        w = works[i + 1] if i + 1 < len(works) else None
+        n = 0 if w is None else len(w.token_ids)
+        if (w is None or r.kv.row != w.kv.row or r.query_index is None or r.sample
+                or r.logits_from != r.end or w.query_index is not None
+                or w.key_positions is not None or r.primer or w.primer
+                or r.kv_spans != ((0, r.end),) or w.kv_spans != ((0, w.end),)
+                or r.end > w.end - n or r.turns != clip_turns(w.turns, r.end)
+                or r.prompt_rows != w.prompt_rows or r.damped != w.damped
+                or (r.damped and r.damping != w.damping)):
+            units.append((i, r))
+            i += 1
+            continue
+        units.append((i + 1, JoinedWork(
+            kv=w.kv, token_ids=r.token_ids + w.token_ids, positions=r.positions + w.positions,
+            kv_spans=w.kv_spans, sample=w.sample, end=w.end, logits_from=w.logits_from,
+            turns=w.turns, query_index=r.query_index + tuple(range(w.end - n, w.end)),
+            key_positions=(r.key_positions or r.positions) + w.positions,
+            prompt_len=w.prompt_len, prompt_rows=w.prompt_rows, damped=w.damped,
+            damping=w.damping)))
+        i += 2
+    return units
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, pool: KVPool, config: EngineConfig,
                  max_model_len: int) -> None:
@@ -176,7 +244,11 @@ class ModelRunner:
                 return self.compiled.run(works)
         table = self.slot_table.table
         prompt_rows = None
-        order = list(range(len(works)))
+        # The torch backend attends sequence by sequence: a recomputing request's question
+        # joins its recomputed tokens (the graphs and the Triton kernels join them already).
+        units = (join_recomputed(works) if backend.name == "torch"
+                 else list(enumerate(works)))
+        order = list(range(len(units)))
         if self.model.route is not None:
             # Packed weights route rows by kind (quantized_linear.RowRoute): the dense path's
             # rows first, then the kernel's: generated tokens (works after the prompt:
@@ -187,9 +259,9 @@ class ModelRunner:
             # Either way a token's path depends on its request, never on the step. The
             # logits still come back in the works' order.
             kernel = [takes_kernel(w.end - len(w.token_ids), w.prompt_len, w.prompt_rows)
-                      for w in works]
+                      for _, w in units]
             order.sort(key=kernel.__getitem__)
-            prompt_rows = sum(len(w.token_ids) for w, k in zip(works, kernel, strict=True)
+            prompt_rows = sum(len(w.token_ids) for (_, w), k in zip(units, kernel, strict=True)
                               if not k)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -200,8 +272,8 @@ class ModelRunner:
         query_index: list[torch.Tensor | None] = []
         key_positions: list[int] | None = None
         write_parts: list[torch.Tensor] = []
-        for i in order:
-            w = works[i]
+        for u in order:
+            i, w = units[u]
             row = w.kv.row
             spans = w.kv_spans
             index = self.slot_table.entries(row, spans)
@@ -233,7 +305,7 @@ class ModelRunner:
             rows.append(row)
             prefix.append(len(spans) == 1 and spans[0][0] == 0 and not w.primer)
             logits_of[i] = range(len(input_ids) - (w.end - w.logits_from), len(input_ids))
-        logits_rows = ([r for i in range(len(works)) for r in logits_of[i]]
+        logits_rows = ([r for i in range(len(works)) for r in logits_of.get(i, ())]
                        if self.model.samples else [])  # a TP worker: no LM head
         batch = AttentionBatch(
             q_lens=q_lens, kv_lens=kv_lens, q_starts=q_starts, kv_indices=kv_indices,
@@ -241,7 +313,7 @@ class ModelRunner:
             num_kv_heads=self.num_kv_heads, table=table, rows=rows, prefix=prefix)
         if any(x is not None for x in query_index):
             batch.query_index = query_index
-        ordered = [works[i] for i in order]
+        ordered = [units[u][1] for u in order]
         if damped:
             batch.damping = [damping_offsets(w.damped, w.damping, self.device) if w.damped
                              else None for w in ordered]
