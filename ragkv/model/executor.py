@@ -39,7 +39,7 @@ from . import quantized_linear
 from .llama import CausalLM
 from .loader import Checkpoint, load_weights
 from .parallel import HeadShard, TPGroup, head_shard
-from .runner import ModelOutput, ModelRunner
+from .runner import ModelOutput, ModelRunner, StepWork
 
 logger = logging.getLogger("ragkv")
 
@@ -105,33 +105,15 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-@dataclass(slots=True)
-class _SentWork:
+def _sent(work) -> StepWork:
     """A work as a worker receives it: the fields the runner reads, the sequence reduced to
     its row (`ModelRunner` reads `kv.row`; the row's entries come with the step)."""
-
-    kv: SeqKV
-    token_ids: list[int]
-    positions: list[int]
-    kv_spans: tuple[tuple[int, int], ...]
-    sample: bool
-    end: int
-    logits_from: int
-    turns: tuple
-    query_index: tuple[int, ...] | None
-    key_positions: list[int] | None
-    prompt_len: int
-    prompt_rows: int
-    damped: tuple
-    damping: float
-    primer: tuple[int, ...]
-
-
-def _sent(work) -> _SentWork:
-    return _SentWork(SeqKV(row=work.kv.row), work.token_ids, work.positions, work.kv_spans,
-                     work.sample, work.end, work.logits_from, work.turns, work.query_index,
-                     work.key_positions, work.prompt_len, work.prompt_rows, work.damped,
-                     work.damping, work.primer)
+    return StepWork(
+        kv=SeqKV(row=work.kv.row), token_ids=work.token_ids, positions=work.positions,
+        kv_spans=work.kv_spans, sample=work.sample, end=work.end, logits_from=work.logits_from,
+        turns=work.turns, query_index=work.query_index, key_positions=work.key_positions,
+        prompt_len=work.prompt_len, prompt_rows=work.prompt_rows, damped=work.damped,
+        damping=work.damping, primer=work.primer)
 
 
 class ShardedPool:

@@ -85,11 +85,11 @@ class ModelOutput:
     probe_scores: list[torch.Tensor | Exception] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class JoinedWork:
-    """A recomputing request's last step as one sequence of the step (`join_recomputed`):
-    its recompute work's tokens, then its question's, over the question's KV list. The
-    fields `Work` has; the logits are the question's."""
+@dataclass(slots=True)
+class StepWork:
+    """A `Work` as plain fields: as a tensor-parallel worker receives it (the sequence
+    reduced to its row), or a recomputing request's last step joined into one sequence
+    (`join_recomputed`)."""
 
     kv: SeqKV
     token_ids: list[int]
@@ -99,8 +99,8 @@ class JoinedWork:
     end: int
     logits_from: int
     turns: tuple[Turn, ...]
-    query_index: tuple[int, ...]
-    key_positions: list[int]
+    query_index: tuple[int, ...] | None
+    key_positions: list[int] | None
     prompt_len: int
     prompt_rows: int
     damped: tuple[tuple[int, int], ...]
@@ -142,7 +142,7 @@ def join_recomputed(works: Sequence[Work]) -> list[tuple[int, Work]]:
             units.append((i, r))
             i += 1
             continue
-        units.append((i + 1, JoinedWork(
+        units.append((i + 1, StepWork(
             kv=w.kv, token_ids=r.token_ids + w.token_ids, positions=r.positions + w.positions,
             kv_spans=w.kv_spans, sample=w.sample, end=w.end, logits_from=w.logits_from,
             turns=w.turns, query_index=r.query_index + tuple(range(w.end - n, w.end)),
