@@ -300,8 +300,10 @@ def test_question_joined_to_its_recomputed_tokens_equals_them_apart(llama, metho
                                                                     monkeypatch):
     """On the torch backend a recomputing request's question and its recomputed tokens are
     one sequence of the step (runner.join_recomputed): the same tokens and first-token
-    logprobs as the two apart, cold and warm, batched, and the pool whole after."""
+    logprobs as the two apart, cold and warm, batched, and the pool whole after. A step of
+    the pair alone is the one sequence the extend graphs would run (graph_step)."""
     from ragkv.model import runner
+    from ragkv.model.backends.cuda_graph import graph_step
 
     path, _ = llama
     S, A, B, C = (random_prompt(n, seed=160 + n) for n in (7, 19, 11, 23))
@@ -310,10 +312,20 @@ def test_question_joined_to_its_recomputed_tokens_equals_them_apart(llama, metho
                [rc(S, [B, C, A], random_prompt(5, seed=172), method, 0.5)]]
     join = runner.join_recomputed
     joined: list[int] = []
+    graph_steps = 0
 
     def counting(works):
+        nonlocal graph_steps
         units = join(works)
         joined.append(len(works) - len(units))
+        if len(works) == 2 and len(units) == 1:
+            step, one = graph_step(works), units[0][1]
+            assert step is not None and step.kv is one.kv
+            assert ((step.token_ids, step.positions, step.turns, step.query_index,
+                     step.key_positions)
+                    == (one.token_ids, one.positions, one.turns, one.query_index,
+                        one.key_positions))
+            graph_steps += 1
         return units
 
     results = []
@@ -325,6 +337,7 @@ def test_question_joined_to_its_recomputed_tokens_equals_them_apart(llama, metho
         assert all(o.metrics.num_recomputed_tokens > 0 for o in outs)
         results.append(outs)
     assert sum(joined) >= len(prompts[0]) + len(prompts[1])  # every request joined once
+    assert graph_steps >= 1  # the last batch's request alone in its step
     for want, got in zip(*results, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         first_want, first_got = want.outputs[0].logprobs[0], got.outputs[0].logprobs[0]

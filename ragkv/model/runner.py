@@ -245,7 +245,7 @@ class ModelRunner:
         table = self.slot_table.table
         prompt_rows = None
         # The torch backend attends sequence by sequence: a recomputing request's question
-        # joins its recomputed tokens (the graphs and the Triton kernels join them already).
+        # joins its recomputed tokens (as the extend graphs take them: graph_step).
         units = (join_recomputed(works) if backend.name == "torch"
                  else list(enumerate(works)))
         order = list(range(len(units)))

@@ -58,6 +58,7 @@ from ...cache.kv_pool import KVPool
 from ...host_ints import int64_tensor
 from ..llama import CausalLM
 from ..reposition import Turn, TurnTable, entry_turns
+from ..runner import join_recomputed
 from ..slot_table import PAD_ROW, SlotTable
 from .base import AttentionMetadata
 from .triton_attention import (
@@ -316,25 +317,17 @@ class GraphStep:
 def graph_step(works: Sequence) -> GraphStep | None:
     """The step of `works` as one sequence that samples from its last token only, or None:
     a single work, or a recomputed request's last step (its recompute work, which samples
-    nothing, then its question over the same list, after every recomputed entry). The
-    question sees the whole list turned, the recomputed tokens the entries up to theirs, so
-    the question's turns serve both."""
+    nothing, then its question), joined as the runner joins it for the torch backend
+    (`runner.join_recomputed`)."""
     w = works[-1]
     if not w.sample or w.end - w.logits_from != 1 or len(works) > 2:
         return None
-    if len(works) == 1:
-        return GraphStep(w.kv, w.kv_spans, w.token_ids, w.positions, w.turns,
-                         w.query_index, w.key_positions)
-    r = works[0]
-    n = len(w.token_ids)
-    if (r.kv is not w.kv or r.query_index is None or r.sample or r.logits_from != r.end
-            or w.query_index is not None or w.key_positions is not None
-            or r.kv_spans != ((0, r.end),) or w.kv_spans != ((0, w.end),)
-            or r.query_index[-1] >= w.end - n):
+    units = join_recomputed(works)
+    if len(units) != 1:
         return None
-    return GraphStep(w.kv, w.kv_spans, r.token_ids + w.token_ids, r.positions + w.positions,
-                     w.turns, r.query_index + tuple(range(w.end - n, w.end)),
-                     (r.key_positions or r.positions) + w.positions)
+    s = units[0][1]
+    return GraphStep(s.kv, s.kv_spans, s.token_ids, s.positions, s.turns, s.query_index,
+                     s.key_positions)
 
 
 class ExtendGraphs(_StepGraphs):
