@@ -299,7 +299,7 @@ def test_partial_recompute_on_the_triton_backend_equals_the_torch_backend(llama,
 def test_question_joined_to_its_recomputed_tokens_equals_them_apart(llama, method,
                                                                     monkeypatch):
     """On the torch backend a recomputing request's question and its recomputed tokens are
-    one sequence of the step (runner.join_recomputed): the same tokens and first-token
+    one sequence of the step (step_work.join_recomputed): the same tokens and first-token
     logprobs as the two apart, cold and warm, batched, and the pool whole after. A step of
     the pair alone is the one sequence the extend graphs would run (graph_step)."""
     from ragkv.model import runner

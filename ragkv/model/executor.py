@@ -39,7 +39,8 @@ from . import quantized_linear
 from .llama import CausalLM
 from .loader import Checkpoint, load_weights
 from .parallel import HeadShard, TPGroup, head_shard
-from .runner import ModelOutput, ModelRunner, StepWork
+from .runner import ModelOutput, ModelRunner
+from .step_work import StepWork
 
 logger = logging.getLogger("ragkv")
 

@@ -58,8 +58,8 @@ from ...cache.kv_pool import KVPool
 from ...host_ints import int64_tensor
 from ..llama import CausalLM
 from ..reposition import Turn, TurnTable, entry_turns
-from ..runner import join_recomputed
 from ..slot_table import PAD_ROW, SlotTable
+from ..step_work import join_recomputed
 from .base import AttentionMetadata
 from .triton_attention import (
     DecodeBatch,
@@ -318,7 +318,7 @@ def graph_step(works: Sequence) -> GraphStep | None:
     """The step of `works` as one sequence that samples from its last token only, or None:
     a single work, or a recomputed request's last step (its recompute work, which samples
     nothing, then its question), joined as the runner joins it for the torch backend
-    (`runner.join_recomputed`)."""
+    (`step_work.join_recomputed`)."""
     w = works[-1]
     if not w.sample or w.end - w.logits_from != 1 or len(works) > 2:
         return None
