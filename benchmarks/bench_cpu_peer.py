@@ -1,7 +1,8 @@
-"""ragkv against llama.cpp on the CPU, on the same GGUF file (SmolLM2-135M-Instruct Q4_1), side by
-side in one run: batch-1 greedy decode tokens/s (ragkv with packed 4-bit weights, ragkv with
-dequantized float32 weights, llama.cpp through llama-cpp-python; --threads CPU threads each);
-time to first token of a RAG prompt (system + 6 eval-suite documents + question, chat-rendered)
+"""ragkv against llama.cpp on the CPU, on the same GGUF file (SmolLM2-135M-Instruct Q4_1, or
+--model), side by side in one run: batch-1 greedy decode tokens/s (ragkv with packed 4-bit
+weights, ragkv with dequantized float32 weights, llama.cpp through llama-cpp-python; --threads
+CPU threads each); time to first token of a RAG prompt (system + 6 eval-suite documents +
+question, chat-rendered, or plain text for a base model such as gemma3-270m)
 whose documents come in a new order on every request: ragkv cold, ragkv warm (chunk KV reused,
 in the engine's default RAG mode and with exact chunk reuse), ragkv with its caches off (full
 prefill) and llama.cpp (reset before every request: a new order leaves it nothing past the
@@ -99,12 +100,24 @@ def pick_documents(tokenizer) -> tuple[object, list[str], list[str]]:
     return item, list(item.documents), others
 
 
-def rag_ttft(llm, messages: list[dict], documents: list[str]) -> tuple[float, object, object]:
-    """Wall time of generate(max_tokens=1) on the chat `messages` with `documents`, the
-    rendered prompt and the output."""
-    from ragkv import SamplingParams
+def story_prompt(engine):
+    """The decode prompt: STORY in the model's chat template, or as plain text for a base
+    model (no template)."""
+    from ragkv.inputs.prompt import parse_prompt
 
-    prompt = llm.engine.process_chat(messages, documents=documents)
+    if getattr(engine.tokenizer, "chat_template", None):
+        return engine.process_chat(STORY)
+    return parse_prompt(STORY[0]["content"] + "\n\n", engine.tokenizer, engine.inputs.rules)
+
+
+def rag_ttft(llm, item, documents: list[str]) -> tuple[float, object, object]:
+    """Wall time of generate(max_tokens=1) on eval-suite `item`'s question over `documents`
+    (as `ragkv eval` renders it: the chat template, or plain text for a base model), the
+    prompt and the output."""
+    from ragkv import SamplingParams
+    from ragkv.eval.evaluate import question_prompt
+
+    prompt = question_prompt(llm.engine, item.system, documents, item.question)
     start = time.perf_counter()
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0),
                        use_tqdm=False)[0]
@@ -125,11 +138,9 @@ def prompt_dtypes(common: dict, repeats: int) -> None:
                for dtype in (torch.float32, torch.bfloat16)}
     first = next(iter(engines.values()))[0]
     item, docs, others = pick_documents(first.get_tokenizer())
-    messages = [{"role": "system", "content": item.system},
-                {"role": "user", "content": item.question}]
 
     def ttft(llm, documents: list[str]) -> float:
-        return rag_ttft(llm, messages, documents)[0]
+        return rag_ttft(llm, item, documents)[0]
 
     saved = quantized_linear.prompt_dtype()
     times = {dtype: ([], []) for dtype in engines}
@@ -203,6 +214,8 @@ def crossover(common: dict, threads: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=MODEL,
+                        help="a GGUF model name or file (gemma3-270m: sliding windows)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2,
@@ -238,13 +251,13 @@ def main() -> None:
     if busy > 0.3:
         print(f"note: other processes keep {busy:.1f} CPUs busy: torch's OpenMP threads slow "
               "down sharply when one of theirs is taken (idle machine, or --threads 1)")
-    path = resolve_model_path(MODEL)
+    path = resolve_model_path(args.model)
     file_bytes = os.path.getsize(path)
-    print(f"model {MODEL}: {path} ({file_bytes / 2**20:.1f} MiB)")
+    print(f"model {args.model}: {path} ({file_bytes / 2**20:.1f} MiB)")
     print(f"threads {args.threads}: ragkv torch.get_num_threads() {torch.get_num_threads()}"
           + ("" if llama_cpp is None else f", llama.cpp n_threads (llama-cpp-python "
              f"{llama_cpp.__version__}, n_batch 512)"))
-    common = dict(model=MODEL, device="cpu", max_model_len=4096)
+    common = dict(model=args.model, device="cpu", max_model_len=4096)
     if args.crossover:
         crossover(common, args.threads)
         return
@@ -254,7 +267,7 @@ def main() -> None:
     # Loaded first and not measured: it also takes the one-time imports out of the RSS figures.
     first = LLM(**common, quantization="gguf", enable_chunk_cache=False,
                 enable_prefix_caching=False)
-    story = first.engine.process_chat(STORY)
+    story = story_prompt(first.engine)
     del first
     ids = story.token_ids
     n, reps = args.max_tokens, args.repeats
@@ -304,8 +317,6 @@ def main() -> None:
 
     tokenizer = packed.get_tokenizer()
     item, docs, others = pick_documents(tokenizer)
-    messages = [{"role": "system", "content": item.system},
-                {"role": "user", "content": item.question}]
     print(f"\nRAG default: {packed.engine.describe_rag_default()}")
     print(f"packed weights: prompt rows multiply in {quantized_linear.prompt_dtype()} "
           "(RAGKV_PACKED_PROMPT_DTYPE pins it)")
@@ -322,7 +333,7 @@ def main() -> None:
     one = SamplingParams(max_tokens=1, temperature=0.0)
 
     def ttft(llm, documents: list[str]) -> tuple[float, object, object]:
-        return rag_ttft(llm, messages, documents)
+        return rag_ttft(llm, item, documents)
 
     def plain_ttft(llm, prompt) -> float:
         start = time.perf_counter()

@@ -85,13 +85,14 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      bias: torch.Tensor, segment: torch.Tensor, turn_cos: torch.Tensor,
                      turn_sin: torch.Tensor, scale: float) -> torch.Tensor:
     """One sequence verifying drafts: its L rows q [L, heads, d] (its last token and drafts)
-    over its cached keys `k_cache[index]` (index, bias, segment [1, n], as in
-    `decode_attention`) and its new keys k, v [L, kv_heads, d], causally. The cached keys are
-    gathered and turned forward once for all the rows (`turn_cos`, `turn_sin` [1, m, d] turn
-    keys forward), which attend in one SDPA call: `decode_attention`'s loops read the cache
-    again for every row (3 rows cost 2.6x one there), while this copy of the keys costs the
-    same for any number of rows (~110 us a layer at 900 keys on SmolLM2's shape), so it pays
-    for one sequence and not for a batch. Float32 inside."""
+    over its cached keys `k_cache[index]` (index, segment [1, n], as in `decode_attention`;
+    bias [L, n] or [1, n]: each row's, or one for all) and its new keys k, v [L, kv_heads,
+    d], causally. The cached keys are gathered and turned forward once for all the rows
+    (`turn_cos`, `turn_sin` [1, m, d] turn keys forward), which attend in one SDPA call:
+    `decode_attention`'s loops read the cache again for every row (3 rows cost 2.6x one
+    there), while this copy of the keys costs the same for any number of rows (~110 us a
+    layer at 900 keys on SmolLM2's shape), so it pays for one sequence and not for a batch.
+    Float32 inside."""
     n, d = index.shape[1], q.shape[2]
     keys = apply_rotary(k_cache[index[0]].float(), turn_cos[0, segment[0]],
                         turn_sin[0, segment[0]])
@@ -106,14 +107,17 @@ def verify_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class _ReadOnlyAttention:
-    """The attention backend of a compiled step: reads the pool, collects the new K/V."""
+    """The attention backend of a compiled step: reads the pool, collects the new K/V. The
+    inputs' bias, cos and sin come per attention kind ([kinds, ...]: a window and a RoPE of
+    its own, model/llama.py); each layer takes its kind's."""
 
     name = "compiled-decode"
     fused_ops: frozenset[str] = frozenset()
     damps = False
 
-    def __init__(self, attend, inputs: tuple) -> None:
+    def __init__(self, attend, inputs: tuple, layer_kind: tuple[int, ...]) -> None:
         self.attend, self.inputs = attend, inputs  # decode_attention or verify_attention
+        self.layer_kind = layer_kind
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -121,7 +125,10 @@ class _ReadOnlyAttention:
                 pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.keys.append(k)
         self.values.append(v)
-        return self.attend(q, k, v, pool.k[layer], pool.v[layer], *self.inputs, scale)
+        index, bias, segment, cos, sin, *rest = self.inputs
+        kind = self.layer_kind[layer]
+        return self.attend(q, k, v, pool.k[layer], pool.v[layer], index, bias[kind], segment,
+                           cos[kind], sin[kind], *rest, scale)
 
 
 def _run(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
@@ -137,13 +144,15 @@ def _step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Ten
     """Logits [T, vocab] of the step's T rows (a sequence's new token, or its last token and
     drafts), and the new keys and values [2, layers, T, kv_heads, d] to write; `inputs`:
     decode_attention's."""
-    return _run(model, pool, ids, positions, _ReadOnlyAttention(decode_attention, inputs))
+    return _run(model, pool, ids, positions,
+                _ReadOnlyAttention(decode_attention, inputs, model.layer_kind))
 
 
 def _verify_step(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
                  *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same for one sequence's last token and drafts; `inputs`: verify_attention's."""
-    return _run(model, pool, ids, positions, _ReadOnlyAttention(verify_attention, inputs))
+    return _run(model, pool, ids, positions,
+                _ReadOnlyAttention(verify_attention, inputs, model.layer_kind))
 
 
 class CompiledDecode:
@@ -160,7 +169,7 @@ class CompiledDecode:
             raise ValueError(f"enable_torch_compile: {reason}")
         self.model, self.pool, self.slot_table = model, pool, slot_table
         self.head_dim = pool.k.shape[-1]
-        self._turns: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._turns: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Inputs that depend only on the batch size, kept (the graph only reads them): the
         # no-turn cos/sin of an unturned batch, the new_bias of one row per sequence.
         self._unturned: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -181,8 +190,6 @@ class CompiledDecode:
                     "(the default)")
         if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
             return f"torch {torch.__version__} is too old (no isolate_recompiles)"
-        if model.has_windows:
-            return "not built for sliding-window attention"
         if any(r.dynamic for r in model.rotaries):
             return "not built for dynamic-NTK RoPE"
         if model.tp.size > 1:
@@ -196,8 +203,13 @@ class CompiledDecode:
         # token that eager steps send to the dense path, or a larger step, runs eagerly.
         if packed and sum(len(w.token_ids) for w in works) > KERNEL_MAX_ROWS:
             return False
+        # A sliding window never cuts a row's view of its sequence's new keys: at most the
+        # drafts' few before it (larger steps would need the window among them too).
+        window = min((w for w in self.model.windows if w is not None), default=None)
         for w in works:
             spans, q = w.kv_spans, len(w.token_ids)
+            if window is not None and q > window:
+                return False
             # Generated tokens only: a decode row, or a last token and its drafts (every
             # row's logits wanted, for the verification), at the end of a prefix (0, end).
             if (len(spans) != 1 or spans[0][0] != 0 or not w.sample
@@ -229,29 +241,38 @@ class CompiledDecode:
             bias.masked_fill_(~seen, float("-inf"))
             index.masked_fill_(~seen, 0)  # slot 0: zeros (KVPool), never NaN
         segment = torch.zeros(len(works), width, dtype=torch.long)
+        deltas = torch.zeros(len(works), turns, dtype=torch.long)  # each turn's, for windows
         if not any(w.turns for w in works):  # then turns is 2
             cos, sin = self._no_turns(len(works))
         else:
-            cos = torch.ones(len(works), turns, self.head_dim)
-            sin = torch.zeros(len(works), turns, self.head_dim)
+            kinds = len(self.model.rotaries)
+            cos = torch.ones(kinds, len(works), turns, self.head_dim)
+            sin = torch.zeros(kinds, len(works), turns, self.head_dim)
             for i, w in enumerate(works):
                 for j, (start, end, delta) in enumerate(w.turns, 1):
-                    segment[i, start:end] = j
-                    turn = self._turn(delta)  # cos, then sin turning keys forward or back
-                    cos[i, j], sin[i, j] = turn[0], turn[1 if verify else 2]
+                    segment[i, start:end], deltas[i, j] = j, delta
+                    for kind in range(kinds):
+                        # cos, then sin turning keys forward or back
+                        turn = self._turn(kind, delta)
+                        cos[kind, i, j], sin[kind, i, j] = turn[0], turn[1 if verify else 2]
+        # Row r of the step is of sequence of[r]; each row has its own bias (windows cut by
+        # row).
+        one_each = len(ids) == len(works)
+        of = None if one_each else torch.repeat_interleave(torch.arange(len(works)),
+                                                           torch.tensor(per))
+        bias = self._windowed(bias, of, index, segment, deltas, positions)
         if verify:
             step, inputs = self.verify, (index, bias, segment, cos, sin)
-        elif len(ids) == len(works):  # one row per sequence: its own new key alone
+        elif one_each:  # one row per sequence: its own new key alone
             step, inputs = self.step, (index, bias, segment, cos, sin, self._diagonal(len(ids)))
         else:
             # Row i reads row j's new key where both are of one sequence and j <= i.
-            of = torch.repeat_interleave(torch.arange(len(works)), torch.tensor(per))
             order = torch.arange(len(of))
             new_bias = torch.zeros(len(of), len(of))
             new_bias.masked_fill_((of[:, None] != of[None, :])
                                   | (order[None, :] > order[:, None]), float("-inf"))
             step = self.step
-            inputs = (index[of], bias[of], segment[of], cos[of], sin[of], new_bias)
+            inputs = (index[of], bias, segment[of], cos[:, of], sin[:, of], new_bias)
         # Dynamo's guards over the model's few hundred tensors cost ~4% of a SmolLM2 step;
         # only those that tell the graphs apart run. The rest cannot fail between steps:
         # the same model, pool and (inference-mode) input kinds every time.
@@ -260,13 +281,40 @@ class CompiledDecode:
         # The slots from the host's lists: a step's host work costs ~10 us a torch op here.
         slots = int64_tensor([s for w in works for s in w.kv.slots[w.end - len(w.token_ids):w.end]])
         self.pool.kv.index_copy_(2, slots, kv)
+        if self.model.has_windows:  # the new keys' positions, for later steps' windows
+            self.pool.pos[slots] = positions.to(torch.int32)
         return logits
 
+    def _windowed(self, bias: torch.Tensor, of: torch.Tensor | None, index: torch.Tensor,
+                  segment: torch.Tensor, deltas: torch.Tensor, positions: torch.Tensor
+                  ) -> torch.Tensor:
+        """Each attention kind's bias [kinds, rows, width] of the step's rows over their
+        cached keys (`of`: each row's sequence, None for one row each; `bias`, `index`,
+        `segment`, `deltas`: the sequences'): the padding's, and in a sliding-window kind
+        also -inf where a key sits `window` or more positions before the row's query (the
+        key's position as the sequence sees it: its slot's, turned forward by its range's
+        delta, as the eager attention's `window_mask`); every kind's the same where no window
+        cuts."""
+        windows = self.model.windows
+        if of is not None:
+            bias = bias[of]
+        if not self.model.has_windows or int(positions.max()) < min(
+                w for w in windows if w is not None):  # no key that far back
+            # Contiguous either way: the graphs are compiled for contiguous inputs.
+            return bias[None] if len(windows) == 1 else torch.stack([bias] * len(windows))
+        if of is not None:
+            index, segment, deltas = index[of], segment[of], deltas[of]
+        keys = self.pool.pos[index].long() + deltas.gather(1, segment)
+        distance = positions[:, None] - keys
+        return torch.stack([bias if w is None else bias.masked_fill(distance >= w, float("-inf"))
+                            for w in windows])
+
     def _no_turns(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos 1, sin 0 [batch, 2, d]: no row turned (the 2 turns `warmup` compiles for)."""
+        """cos 1, sin 0 [kinds, batch, 2, d]: no row turned (the 2 turns `warmup` compiles
+        for)."""
         if batch not in self._unturned:
-            self._unturned[batch] = (torch.ones(batch, 2, self.head_dim),
-                                     torch.zeros(batch, 2, self.head_dim))
+            shape = (len(self.model.rotaries), batch, 2, self.head_dim)
+            self._unturned[batch] = (torch.ones(shape), torch.zeros(shape))
         return self._unturned[batch]
 
     def _diagonal(self, rows: int) -> torch.Tensor:
@@ -275,17 +323,17 @@ class CompiledDecode:
             self._diagonals[rows] = torch.full((rows, rows), float("-inf")).fill_diagonal_(0.0)
         return self._diagonals[rows]
 
-    def _turn(self, delta: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cos, sin turning a key forward by `delta`, and sin turning a query back, [d] each
-        (a request's deltas stay the same through its decode steps: kept, a few thousand at
-        most)."""
-        if delta not in self._turns:
+    def _turn(self, kind: int, delta: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin turning a key forward by `delta` in attention kind `kind`'s RoPE, and sin
+        turning a query back, [d] each (a request's deltas stay the same through its decode
+        steps: kept, a few thousand at most)."""
+        if (kind, delta) not in self._turns:
             if len(self._turns) > 4096:
                 self._turns.clear()
-            table = TurnTable.build(self.model.rotaries[0], [delta])
+            table = TurnTable.build(self.model.rotaries[kind], [delta])
             cos, back = table.for_queries()
-            self._turns[delta] = cos[0], table.sin[0], back[0]
-        return self._turns[delta]
+            self._turns[kind, delta] = cos[0], table.sin[0], back[0]
+        return self._turns[kind, delta]
 
     @torch.inference_mode()  # as the engine's steps run: grad mode is part of the graph's key
     def warmup(self) -> float:
@@ -305,22 +353,23 @@ class CompiledDecode:
             sequences = total if step is self.step else 1
             ids = torch.zeros(total, dtype=torch.long)
             positions = torch.full((total,), 2, dtype=torch.long)
-            inputs = (torch.zeros(sequences, 2, dtype=torch.long),  # index
-                      torch.zeros(sequences, 2, dtype=torch.float32),  # bias
-                      torch.zeros(sequences, 2, dtype=torch.long),  # segment
-                      torch.ones(sequences, 2, self.head_dim),  # turns' cos, sin
-                      torch.zeros(sequences, 2, self.head_dim))
-            for t in inputs:
-                torch._dynamo.mark_dynamic(t, 1)
+            # Sizes: index, segment [sequences, width]; bias [kinds, rows, width]; the turns'
+            # cos, sin [kinds, sequences, turns, d]; the decode graph's new_bias [rows, rows].
+            kinds, d = len(self.model.rotaries), self.head_dim
+            index, segment = (torch.zeros(sequences, 2, dtype=torch.long) for _ in range(2))
+            bias = torch.zeros(kinds, total, 2)
+            cos, sin = torch.ones(kinds, sequences, 2, d), torch.zeros(kinds, sequences, 2, d)
+            dynamic = [(index, 1), (segment, 1), (bias, 2), (cos, 2), (sin, 2)]
+            if total > 1:
+                dynamic += [(ids, 0), (positions, 0), (bias, 1)]
+            inputs = (index, bias, segment, cos, sin)
             if step is self.step:
                 inputs += (torch.zeros(total, total),)  # new_bias
-            if total > 1:
-                for t in (ids, positions):
-                    torch._dynamo.mark_dynamic(t, 0)
-                if step is self.step:
-                    for t in inputs:
-                        torch._dynamo.mark_dynamic(t, 0)
-                    torch._dynamo.mark_dynamic(inputs[-1], 1)
+                if total > 1:
+                    dynamic += [(index, 0), (segment, 0), (cos, 1), (sin, 1),
+                                (inputs[-1], 0), (inputs[-1], 1)]
+            for t, dim in dynamic:
+                torch._dynamo.mark_dynamic(t, dim)
             try:
                 # Freezing: the weights become constants of the compiled code, not inputs
                 # handed through its wrapper every step (0.7 ms of a 7 ms SmolLM2 step).
