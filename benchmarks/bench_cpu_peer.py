@@ -189,18 +189,21 @@ def crossover(common: dict, threads: int) -> None:
         return min(times) * 1000
 
     route, saved = packed.engine.model.route, quantized_linear.KERNEL_MAX_ROWS
+    takes_kernel = runner.takes_kernel
     print(f"prefill of a plain prompt, best of 3, ms ({threads} threads); packed: every prompt "
           "row on the kernel / on the dequantized path / as served (a prompt of at most "
           f"{saved} tokens on the kernel, a longer one's rows dequantized; the head and probes "
           f"take the kernel up to {saved} rows)")
     print(f"{'tokens':>6} {'dense f32':>10} {'kernel':>8} {'dequant':>8} {'served':>8}")
     try:
-        for n in (32, 64, 96, 128, 192, 256, 580):
+        for n in (32, 64, 80, 96, 112, 128, 192, 256, 580):
             dense_t = best(dense, n)
             served_t = best(packed, n)
-            runner.KERNEL_MAX_ROWS = 0  # every prompt on the dequantized path
+            # Every prompt row on the dequantized path (the runner's routing; the head's
+            # last-token row stays on the kernel, as served).
+            runner.takes_kernel = lambda start, prompt_len, rows: start >= prompt_len
             dequant_t = best(packed, n)
-            runner.KERNEL_MAX_ROWS = saved
+            runner.takes_kernel = takes_kernel
             packed.engine.model.route = None  # by size, every row on the kernel
             quantized_linear.KERNEL_MAX_ROWS = 10**6
             kernel_t = best(packed, n)
@@ -208,7 +211,8 @@ def crossover(common: dict, threads: int) -> None:
             print(f"{n:>6} {dense_t:>10.1f} {kernel_t:>8.1f} {dequant_t:>8.1f} "
                   f"{served_t:>8.1f}", flush=True)
     finally:
-        quantized_linear.KERNEL_MAX_ROWS = runner.KERNEL_MAX_ROWS = saved
+        quantized_linear.KERNEL_MAX_ROWS = saved
+        runner.takes_kernel = takes_kernel
         packed.engine.model.route = route
 
 

@@ -35,11 +35,12 @@ GROUP_SIZE = 32  # values per scale/zero pair (GGML's block, a K-quant's sub-blo
 BLOCK_ROWS = 64  # the packed layout interleaves rows in blocks of 64 (see `_unpacked`)
 _INNER_K_TILES = 2  # the packed layout's tiling along K (the kernel's innerKTiles)
 # Up to this many rows the int4 kernel is faster than dequantizing the layer for a dense
-# float32 matmul; above it, the other way round: SmolLM2's prefill on the project's 2-core
-# AVX-512 CPU takes the same time both ways between 64 and 96 tokens (docs/benchmarks.md,
-# "Quantized weights"). Dequantizing costs ~0.7 ns per weight per step, the kernel ~2.5x a
-# dense float32 matmul's time per row.
-KERNEL_MAX_ROWS = 80
+# matmul; above it, the other way round. Where they cross depends on the CPU: SmolLM2's
+# prefill took the same time both ways between 64 and 96 tokens on a 2-core Intel AVX-512
+# CPU (float32 dense), between 96 and 112 on a 2-core EPYC (bfloat16 dense; Gemma 3 270M,
+# whose Q5_0 layers run the kernel twice, too), from 130 on a Zen 5 (docs/benchmarks.md,
+# "Quantized weights"). Dequantizing costs ~0.7 ns per weight per step.
+KERNEL_MAX_ROWS = 96
 
 logger = logging.getLogger(__name__)
 _prompt_dtype: torch.dtype | None = None  # prompt_dtype()'s choice, made on first use
