@@ -323,16 +323,20 @@ PAINTERS = ("Painters have mixed their colours on wooden palettes for centuries,
             "school of painting taught its students how to see light, how to mix shadows, "
             "and how to build a picture from a few simple colours, layer upon layer, until "
             "the canvas seemed to glow from within. Teachers often began with a simple "
-            "lesson about the colour wheel.")
+            "lesson about the colour wheel. Students learned which colours sit opposite "
+            "each other on the wheel, why they seem brighter side by side, and how a "
+            "painter mixes greys and browns from them instead of reaching for black.")
 
 
 def test_smollm2_packed_weights_split_across_two_ranks(monkeypatch):
     """SmolLM2's GGUF weights kept packed (4-bit planes; Q8_0 as two) and split: rank 0 holds
     less than one process does; a plain prompt's first-token logprobs (its rows pinned to the
     dequantized float32 path) equal one process's within 1e-4, and its first generated
-    tokens (the int4 kernel on the split planes) are the same. Later tokens may part at a
-    near tie: the kernel rounds its inputs to bfloat16, as docs/quantization.md states (so
-    does the bfloat16 prompt path of CPUs that have one, where a split sum rounds apart)."""
+    tokens (the int4 kernel on the split planes) are the same up to a near tie, where they
+    may part: the kernel rounds its inputs to bfloat16, as docs/quantization.md states (so
+    does the bfloat16 prompt path of CPUs that have one, where a split sum rounds apart), so
+    each run's logits move in bfloat16 steps; where the runs part, each one's choice is
+    within one such step (0.125 here) of the other's in both."""
     from dependencies import missing
 
     from ragkv.model import quantized_linear
@@ -359,6 +363,13 @@ def test_smollm2_packed_weights_split_across_two_ranks(monkeypatch):
         finally:
             llm.engine.close()
     assert held[1] < 0.8 * held[0]
-    assert outs[1].token_ids == outs[0].token_ids
+    one, two = outs[0].token_ids, outs[1].token_ids
+    part = next((i for i, (a, b) in enumerate(zip(one, two, strict=True)) if a != b), None)
+    assert part is None or part >= 1  # the first token from the float32 prompt path
+    if part is not None:
+        for out in outs:
+            top = out.logprobs[part]
+            assert one[part] in top and two[part] in top
+            assert abs(top[one[part]].logprob - top[two[part]].logprob) <= 0.13
     for tid, lp in outs[1].logprobs[0].items():
         assert abs(lp.logprob - outs[0].logprobs[0][tid].logprob) < 1e-4
