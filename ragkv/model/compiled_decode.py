@@ -169,6 +169,8 @@ class CompiledDecode:
             raise ValueError(f"enable_torch_compile: {reason}")
         self.model, self.pool, self.slot_table = model, pool, slot_table
         self.head_dim = pool.k.shape[-1]
+        # The smallest sliding window of the model's layers, None without one.
+        self.window = min((w for w in model.windows if w is not None), default=None)
         self._turns: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # Inputs that depend only on the batch size, kept (the graph only reads them): the
         # no-turn cos/sin of an unturned batch, the new_bias of one row per sequence.
@@ -205,10 +207,9 @@ class CompiledDecode:
             return False
         # A sliding window never cuts a row's view of its sequence's new keys: at most the
         # drafts' few before it (larger steps would need the window among them too).
-        window = min((w for w in self.model.windows if w is not None), default=None)
         for w in works:
             spans, q = w.kv_spans, len(w.token_ids)
-            if window is not None and q > window:
+            if self.window is not None and q > self.window:
                 return False
             # Generated tokens only: a decode row, or a last token and its drafts (every
             # row's logits wanted, for the verification), at the end of a prefix (0, end).
@@ -241,7 +242,6 @@ class CompiledDecode:
             bias.masked_fill_(~seen, float("-inf"))
             index.masked_fill_(~seen, 0)  # slot 0: zeros (KVPool), never NaN
         segment = torch.zeros(len(works), width, dtype=torch.long)
-        deltas = torch.zeros(len(works), turns, dtype=torch.long)  # each turn's, for windows
         if not any(w.turns for w in works):  # then turns is 2
             cos, sin = self._no_turns(len(works))
         else:
@@ -250,7 +250,7 @@ class CompiledDecode:
             sin = torch.zeros(kinds, len(works), turns, self.head_dim)
             for i, w in enumerate(works):
                 for j, (start, end, delta) in enumerate(w.turns, 1):
-                    segment[i, start:end], deltas[i, j] = j, delta
+                    segment[i, start:end] = j
                     for kind in range(kinds):
                         # cos, then sin turning keys forward or back
                         turn = self._turn(kind, delta)
@@ -260,7 +260,7 @@ class CompiledDecode:
         one_each = len(ids) == len(works)
         of = None if one_each else torch.repeat_interleave(torch.arange(len(works)),
                                                            torch.tensor(per))
-        bias = self._windowed(bias, of, index, segment, deltas, positions)
+        bias = self._windowed(works, bias, of, index, segment, positions)
         if verify:
             step, inputs = self.verify, (index, bias, segment, cos, sin)
         elif one_each:  # one row per sequence: its own new key alone
@@ -285,12 +285,12 @@ class CompiledDecode:
             self.pool.pos[slots] = positions.to(torch.int32)
         return logits
 
-    def _windowed(self, bias: torch.Tensor, of: torch.Tensor | None, index: torch.Tensor,
-                  segment: torch.Tensor, deltas: torch.Tensor, positions: torch.Tensor
+    def _windowed(self, works: Sequence, bias: torch.Tensor, of: torch.Tensor | None,
+                  index: torch.Tensor, segment: torch.Tensor, positions: torch.Tensor
                   ) -> torch.Tensor:
         """Each attention kind's bias [kinds, rows, width] of the step's rows over their
         cached keys (`of`: each row's sequence, None for one row each; `bias`, `index`,
-        `segment`, `deltas`: the sequences'): the padding's, and in a sliding-window kind
+        `segment`: the sequences'): the padding's, and in a sliding-window kind
         also -inf where a key sits `window` or more positions before the row's query (the
         key's position as the sequence sees it: its slot's, turned forward by its range's
         delta, as the eager attention's `window_mask`); every kind's the same where no window
@@ -298,10 +298,15 @@ class CompiledDecode:
         windows = self.model.windows
         if of is not None:
             bias = bias[of]
-        if not self.model.has_windows or int(positions.max()) < min(
-                w for w in windows if w is not None):  # no key that far back
+        if self.window is None or int(positions.max()) < self.window:  # no key that far back
             # Contiguous either way: the graphs are compiled for contiguous inputs.
             return bias[None] if len(windows) == 1 else torch.stack([bias] * len(windows))
+        # Each turn's delta by its column of `segment` (0: none), built only here: steps that
+        # no window cuts never pay for it.
+        deltas = torch.zeros(len(works), 1 + max(len(w.turns) for w in works), dtype=torch.long)
+        for i, w in enumerate(works):
+            for j, (_, _, delta) in enumerate(w.turns, 1):
+                deltas[i, j] = delta
         if of is not None:
             index, segment, deltas = index[of], segment[of], deltas[of]
         keys = self.pool.pos[index].long() + deltas.gather(1, segment)
