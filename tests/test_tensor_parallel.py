@@ -189,6 +189,35 @@ def test_a_dead_worker_fails_the_engine_clearly(checkpoint):
         assert time.monotonic() - start < 10
 
 
+def test_a_worker_dying_mid_step_fails_the_engine_clearly(checkpoint):
+    """A worker rank killed inside a step, after rank 0 has sent it the step and before the
+    step's all-reduces: rank 0's collective fails on the closed connection and generate
+    raises EngineDeadError at once (not after the collectives' 10-minute timeout); the
+    engine stays failed for the next request, and closes cleanly."""
+    from ragkv.model.executor import EngineDeadError
+
+    with tp_llm(checkpoint("llama")) as llm:
+        runner = llm.engine.runner
+        worker, local_execute, calls = runner.workers[0], runner.local.execute, []
+
+        def execute(works, probes=()):
+            calls.append(len(works))
+            if len(calls) == 3:  # a decode step: the prompt's step and one decode ran
+                worker.kill()
+                worker.join(timeout=10)
+            return local_execute(works, probes)
+
+        runner.local.execute = execute
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="a step failed on the ranks"):
+            llm.generate([plain(random_prompt(5, seed=2))], params, use_tqdm=False)
+        assert len(calls) == 3 and not worker.is_alive()
+        assert time.monotonic() - start < 30
+        with pytest.raises(EngineDeadError, match=r"worker rank\(s\) \[1\] exited"):
+            llm.generate([plain(random_prompt(5, seed=3))], params, use_tqdm=False)
+
+
 def test_the_cli_takes_tensor_parallel_size():
     """`ragkv generate -tp 2` (python -m ragkv: its worker re-imports the main module) prints
     what one process prints."""

@@ -133,6 +133,11 @@ class _ReadOnlyAttention:
 
 def _run(model: CausalLM, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor,
          attention: _ReadOnlyAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    # The decode graph's batch is unbacked (`warmup`): what `can_run` ensures is told here,
+    # so the packed layers' route by size (kernel up to KERNEL_MAX_ROWS) traces one branch.
+    torch._check(ids.shape[0] >= 1)
+    if model.route is not None:
+        torch._check(ids.shape[0] <= KERNEL_MAX_ROWS)
     rows = torch.arange(ids.shape[0], device=ids.device)
     logits = model.forward(ids, positions, rows, pool, _META, attention, prompt_rows=0)
     # As the pool holds them: [2, layers, T, kv_heads, d], one copy writes both.
@@ -342,39 +347,42 @@ class CompiledDecode:
 
     @torch.inference_mode()  # as the engine's steps run: grad mode is part of the graph's key
     def warmup(self) -> float:
-        """Compile the decode step for one row and for any larger step, for every cached
-        length from 2, before a request waits for it, and with drafts the verifying step of
-        one sequence; reads slot 0, writes nothing. Returns the seconds it took.
-        torch.compile specializes sizes 0 and 1, hence two decode graphs and widths, turns
-        and drafted rows of at least 2; no duck sizing, which would tie a batch or a width to
-        an equal weight dimension and compile again when they part."""
+        """Compile the decode step for any number of rows and every cached length from 2,
+        before a request waits for it, and with drafts the verifying step of one sequence;
+        reads slot 0, writes nothing. Returns the seconds it took.
+        torch.compile specializes sizes 0 and 1 of a dynamic size: the decode graph's batch
+        sizes (rows and sequences) are unbacked instead, so one graph serves a batch of one
+        as well as larger ones (a graph of its own for one row had doubled the start-up, for
+        a step no faster); widths, turns and drafted rows are at least 2. No duck sizing,
+        which would tie a batch or a width to an equal weight dimension and compile again
+        when they part."""
         import torch._inductor.config as inductor_config
 
         start = time.perf_counter()
-        kinds = [(self.step, 1), (self.step, 2)]
-        if self.verify is not None:
-            kinds.append((self.verify, 2))
-        for step, total in kinds:
-            sequences = total if step is self.step else 1
-            ids = torch.zeros(total, dtype=torch.long)
-            positions = torch.full((total,), 2, dtype=torch.long)
+        graphs = [self.step] if self.verify is None else [self.step, self.verify]
+        for step in graphs:
+            sequences = 2 if step is self.step else 1
+            ids = torch.zeros(2, dtype=torch.long)
+            positions = torch.full((2,), 2, dtype=torch.long)
             # Sizes: index, segment [sequences, width]; bias [kinds, rows, width]; the turns'
             # cos, sin [kinds, sequences, turns, d]; the decode graph's new_bias [rows, rows].
             kinds, d = len(self.model.rotaries), self.head_dim
             index, segment = (torch.zeros(sequences, 2, dtype=torch.long) for _ in range(2))
-            bias = torch.zeros(kinds, total, 2)
+            bias = torch.zeros(kinds, 2, 2)
             cos, sin = torch.ones(kinds, sequences, 2, d), torch.zeros(kinds, sequences, 2, d)
-            dynamic = [(index, 1), (segment, 1), (bias, 2), (cos, 2), (sin, 2)]
-            if total > 1:
-                dynamic += [(ids, 0), (positions, 0), (bias, 1)]
             inputs = (index, bias, segment, cos, sin)
+            dynamic = [(index, 1), (segment, 1), (bias, 2), (cos, 2), (sin, 2)]
+            unbacked = [(ids, 0), (positions, 0), (bias, 1)]
             if step is self.step:
-                inputs += (torch.zeros(total, total),)  # new_bias
-                if total > 1:
-                    dynamic += [(index, 0), (segment, 0), (cos, 1), (sin, 1),
-                                (inputs[-1], 0), (inputs[-1], 1)]
+                inputs += (torch.zeros(2, 2),)  # new_bias
+                unbacked += [(index, 0), (segment, 0), (cos, 1), (sin, 1), (inputs[-1], 0),
+                             (inputs[-1], 1)]
+            else:  # the drafted rows: at least 2
+                dynamic, unbacked = dynamic + unbacked, []
             for t, dim in dynamic:
                 torch._dynamo.mark_dynamic(t, dim)
+            for t, dim in unbacked:
+                torch._dynamo.decorators.mark_unbacked(t, dim)
             try:
                 # Freezing: the weights become constants of the compiled code, not inputs
                 # handed through its wrapper every step (0.7 ms of a 7 ms SmolLM2 step).
