@@ -321,8 +321,9 @@ def test_a_server_whose_worker_dies_answers_503_and_exits_non_zero(tmp_path):
                    if "spawn_main" in pathlib.Path(f"/proc/{pid}/cmdline").read_text()]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
-        # Dead before the request: a worker that dies while a step is being sent is another
-        # case (the step's collectives, not this check, would have to notice it).
+        # Dead before the request: a worker that dies inside a step is another case, where
+        # the step's collectives notice it (test_a_worker_dying_mid_step_fails_the_engine_
+        # clearly); without this wait, under heavy load, 1 request in ~90 got no answer.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -15,7 +15,8 @@ an entry's heads from the ranks to store it, and sends a loaded entry to every r
 writing its own heads. Both happen on the engine thread between steps, in the same order on
 every rank as the steps themselves.
 
-A worker that dies is found before the next step: the engine raises `EngineDeadError`.
+A worker that dies is found before the next step, or inside a step by the step's
+collective failing on its closed connection: the engine raises `EngineDeadError`.
 """
 
 from __future__ import annotations
